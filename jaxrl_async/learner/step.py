@@ -1,0 +1,190 @@
+"""The jitted, sharded update: `update(state, batch, anchor_logp, ...) -> (state, metrics)`.
+
+The model runs here and only here on the learner side; the loss and the advantages are the pure
+functions of `losses` and `advantages`. The step is compiled once per batch shape, with the
+state donated and its shardings fixed on the learner mesh (`jaxrl_async.sharding`).
+
+Old logprobs (the ratio's anchor), by `LearnerConfig`:
+- use_rollout_log_probs: clipped PPO against the behaviour logprobs from the rollout.
+- otherwise the decoupled objective (AReaL) against a proximal policy:
+  'recompute' (the anchor passed in, computed with the weights at the start of the version
+  window), 'loglinear' (interpolated in-graph from behaviour and current logprobs by version), or
+  'rollout' (proximal = behaviour).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from jax.sharding import Mesh
+
+from jaxrl_async import sharding
+from jaxrl_async.learner import advantages as advantages_lib
+from jaxrl_async.learner import losses
+from jaxrl_async.learner.batching import TrainBatch
+from jaxrl_async.model import apply
+
+PROXIMAL_SOURCES = ("recompute", "loglinear", "rollout")
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerConfig:
+  learning_rate: float = 3e-4
+  weight_decay: float = 0.0
+  adam_b1: float = 0.9
+  adam_b2: float = 0.99
+  grad_clip: float = 1.0
+  clip_low: float = 0.2
+  clip_high: float = 0.28
+  dual_clip: float | None = None
+  agg_mode: str = "token-mean"
+  normalize_std: bool = True  # False: Dr.GRPO advantages
+  kl_coef: float = 0.0
+  kl_kind: str = "k3"
+  entropy_coef: float = 0.0
+  temperature: float = 1.0  # must equal the rollout's sampling temperature
+  use_rollout_log_probs: bool = False
+  proximal_logprob: str = "recompute"
+  is_cap: float | None = 5.0
+  is_cap_mode: str = "mask"
+
+  def __post_init__(self):
+    if not self.learning_rate > 0:
+      raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+    if self.weight_decay < 0:
+      raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+    if not self.grad_clip > 0:
+      raise ValueError(f"grad_clip must be > 0, got {self.grad_clip}")
+    if not self.temperature > 0:
+      raise ValueError(f"temperature must be > 0 for training, got {self.temperature}")
+    if self.proximal_logprob not in PROXIMAL_SOURCES:
+      raise ValueError(
+          f"proximal_logprob must be one of {PROXIMAL_SOURCES}, got {self.proximal_logprob!r}")
+    if self.agg_mode not in AGG_MODES:
+      raise ValueError(f"agg_mode must be one of {AGG_MODES}, got {self.agg_mode!r}")
+    if self.kl_coef < 0 or self.entropy_coef < 0:
+      raise ValueError(f"kl_coef and entropy_coef must be >= 0, got {self.kl_coef}, "
+                       f"{self.entropy_coef}")
+
+  @property
+  def old_logprob_source(self) -> str:
+    return "rollout" if self.use_rollout_log_probs else self.proximal_logprob
+
+  @property
+  def needs_recompute(self) -> bool:
+    return not self.use_rollout_log_probs and self.proximal_logprob == "recompute"
+
+  def optimizer(self) -> optax.GradientTransformation:
+    return optax.chain(
+        optax.clip_by_global_norm(self.grad_clip),
+        optax.adamw(self.learning_rate, b1=self.adam_b1, b2=self.adam_b2,
+                    weight_decay=self.weight_decay))
+
+
+@struct.dataclass
+class TrainState:
+  step: jax.Array  # int32 []: learner updates so far
+  params: Any
+  opt_state: Any
+  tx: optax.GradientTransformation = struct.field(pytree_node=False)
+
+
+def init_train_state(params, tx: optax.GradientTransformation, mesh: Mesh, logical_axes) -> TrainState:
+  """Place params on the learner mesh by their logical axes and build the optimizer state there."""
+  param_sh = sharding.param_shardings(logical_axes, params, mesh)
+  params = jax.device_put(params, param_sh, may_alias=False)  # the state is donated
+  opt_state = jax.jit(tx.init)(params)
+  # Leaves created from scratch (step counts) land on one device; replicate them on the mesh.
+  mesh_devices = set(mesh.devices.flat)
+  opt_state = jax.tree.map(
+      lambda x: x if set(x.sharding.device_set) == mesh_devices else jax.device_put(
+          x, sharding.replicated(mesh)), opt_state)
+  step = jax.device_put(jnp.zeros((), jnp.int32), sharding.replicated(mesh))
+  return TrainState(step=step, params=params, opt_state=opt_state, tx=tx)
+
+
+def state_shardings(state: TrainState):
+  return jax.tree.map(lambda x: x.sharding, state)
+
+
+def sequence_logprobs(graphdef, params, tokens, temperature: float):
+  """log pi(tokens[:, t] | tokens[:, :t]) for t >= 1, as [B, T] with column 0 = 0."""
+  logits, _ = apply(graphdef, params, tokens[:, :-1])
+  logp = losses.token_logprobs(logits, tokens[:, 1:], temperature)
+  return jnp.pad(logp, ((0, 0), (1, 0))), logits
+
+
+def _loss_fn(params, graphdef, config: LearnerConfig, batch: TrainBatch, anchor_logp,
+             proximal_version, current_version):
+  assert batch.tokens.ndim == 2, batch.tokens.shape
+  logits, _ = apply(graphdef, params, batch.tokens[:, :-1])
+  targets = batch.tokens[:, 1:]
+  mask = batch.response_mask[:, 1:]
+  logp = losses.token_logprobs(logits, targets, config.temperature)
+  behaviour = batch.behaviour_logprobs[:, 1:]
+  entropy = losses.entropy_from_logits(logits, mask, config.temperature)
+  if config.use_rollout_log_probs:
+    anchor, behaviour_arg = behaviour, None
+  elif config.proximal_logprob == "loglinear":
+    anchor = losses.loglinear_proximal_logprob(
+        behaviour, jax.lax.stop_gradient(logp), batch.token_versions[:, 1:], proximal_version,
+        current_version)
+    behaviour_arg = behaviour
+  elif config.proximal_logprob == "rollout":
+    anchor, behaviour_arg = behaviour, behaviour
+  else:
+    anchor, behaviour_arg = anchor_logp[:, 1:], behaviour
+  return logp, entropy, anchor, behaviour_arg, mask
+
+
+def make_update_fn(graphdef, config: LearnerConfig, group_size: int, state_sh):
+  """Build the jitted `update(state, batch, anchor_logp, proximal_version, current_version)`.
+
+  anchor_logp: [B, T] recomputed proximal logprobs ('recompute'), ignored otherwise.
+  proximal_version / current_version: float scalars for 'loglinear' (versions may be
+  fractional: version + local updates / trigger_parameter_sync_step).
+  """
+
+  def update(state: TrainState, batch: TrainBatch, anchor_logp, proximal_version,
+             current_version):
+    rewards = batch.rewards.reshape(-1, group_size)
+    adv = advantages_lib.group_advantages(rewards, normalize_std=config.normalize_std).reshape(-1)
+
+    def loss(params):
+      logp, entropy, anchor, behaviour_arg, mask = _loss_fn(
+          params, graphdef, config, batch, anchor_logp, proximal_version, current_version)
+      token_adv = adv[:, None] * mask
+      total, metrics = losses.policy_loss(
+          logp, jax.lax.stop_gradient(anchor), token_adv, mask, behaviour_logp=behaviour_arg,
+          entropy=entropy, entropy_coef=config.entropy_coef, clip_low=config.clip_low,
+          clip_high=config.clip_high, dual_clip=config.dual_clip, is_cap=config.is_cap,
+          is_cap_mode=config.is_cap_mode, agg_mode=config.agg_mode)
+      return total, metrics
+
+    (total, metrics), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
+    updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = dict(metrics)
+    metrics["loss"] = total
+    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["advantage_abs_mean"] = jnp.mean(jnp.abs(adv))
+    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, tx=state.tx)
+    return new_state, metrics
+
+  return jax.jit(update, donate_argnums=(0,), out_shardings=(state_sh, None))
+
+
+def make_logprob_fn(graphdef, temperature: float):
+  """Jitted `logprobs(params, tokens) -> [B, T]` (the 'recompute' anchor and evaluation)."""
+  return jax.jit(lambda params, tokens: sequence_logprobs(graphdef, params, tokens, temperature)[0])
+
+
+def shard_batch(batch: TrainBatch, mesh: Mesh) -> TrainBatch:
+  """Put a host batch on the learner mesh, rows over the batch axes."""
+  return jax.tree.map(lambda x: jax.device_put(x, sharding.batch_sharding(mesh, x.shape)), batch)

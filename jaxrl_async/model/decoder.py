@@ -1,0 +1,226 @@
+"""A flax.nnx decoder of the Llama / Qwen2 family with an explicit, static KV cache.
+
+Every parameter names its logical axes (`out_sharding` metadata); `jaxrl_async.sharding` maps them
+to a mesh. The cache is an explicit pytree passed in and returned, so the forward pass is a pure
+function of (params, tokens, positions, cache) and one jitted decode step serves any weights.
+
+Attention masks come from positions alone: the query at position p sees cache slots s <= p. A
+sequence is always laid out from position 0, so right padding and stale cache entries beyond the
+current position are never seen.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from jaxrl_async.model.config import ModelConfig
+
+
+def _param(rngs: nnx.Rngs, init, shape, axes) -> nnx.Param:
+  return nnx.Param(init(rngs.params(), shape, jnp.float32), out_sharding=axes,
+                   eager_sharding=False)
+
+
+@struct.dataclass
+class KVCache:
+  """Per-layer keys and values: each [B, S, kv_heads, head_dim], S = cache length."""
+
+  keys: tuple[jax.Array, ...]
+  values: tuple[jax.Array, ...]
+
+  @classmethod
+  def zeros(cls, config: ModelConfig, batch: int, length: int | None = None) -> "KVCache":
+    length = config.max_seq_len if length is None else length
+    shape = (batch, length, config.n_kv_heads, config.resolved_head_dim)
+    dtype = jnp.dtype(config.dtype)
+    layers = range(config.n_layers)
+    return cls(keys=tuple(jnp.zeros(shape, dtype) for _ in layers),
+               values=tuple(jnp.zeros(shape, dtype) for _ in layers))
+
+  @property
+  def length(self) -> int:
+    return self.keys[0].shape[1]
+
+
+LOGICAL_CACHE_AXES = ("batch", "cache_length", "kv_heads", "head_dim")
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, eps: float, rngs: nnx.Rngs):
+    del rngs
+    self.eps = eps
+    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=("norm",),
+                           eager_sharding=False)
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (normed * self.scale.value).astype(x.dtype)
+
+
+def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """RoPE (Su et al. 2021), half-split layout. x: [B, T, H, D], positions: [B, T]."""
+  half = x.shape[-1] // 2
+  freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)  # [D/2]
+  angles = positions[..., None].astype(jnp.float32) * freqs  # [B, T, D/2]
+  sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
+  x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  """Grouped-query attention reading and writing an explicit per-layer cache."""
+
+  def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    d, h, kv, hd = config.d_model, config.n_heads, config.n_kv_heads, config.resolved_head_dim
+    init = nnx.initializers.normal(stddev=d ** -0.5)
+    self.config = config
+    self.q = _param(rngs, init, (d, h, hd), ("embed", "heads", "head_dim"))
+    self.k = _param(rngs, init, (d, kv, hd), ("embed", "kv_heads", "head_dim"))
+    self.v = _param(rngs, init, (d, kv, hd), ("embed", "kv_heads", "head_dim"))
+    self.o = _param(rngs, nnx.initializers.normal(stddev=(h * hd) ** -0.5), (h, hd, d),
+                    ("heads", "head_dim", "embed"))
+    if config.qkv_bias:
+      zeros = nnx.initializers.zeros
+      self.q_bias = _param(rngs, zeros, (h, hd), ("heads", "head_dim"))
+      self.k_bias = _param(rngs, zeros, (kv, hd), ("kv_heads", "head_dim"))
+      self.v_bias = _param(rngs, zeros, (kv, hd), ("kv_heads", "head_dim"))
+
+  def __call__(self, x, positions, cache_kv):
+    """x: [B, T, D]; positions: [B, T]; cache_kv: (k, v) each [B, S, KV, Dh] or None."""
+    cfg = self.config
+    dtype = x.dtype
+    q = jnp.einsum("btd,dhk->bthk", x, self.q.value.astype(dtype))
+    k = jnp.einsum("btd,dhk->bthk", x, self.k.value.astype(dtype))
+    v = jnp.einsum("btd,dhk->bthk", x, self.v.value.astype(dtype))
+    if cfg.qkv_bias:
+      q, k, v = (q + self.q_bias.value.astype(dtype), k + self.k_bias.value.astype(dtype),
+                 v + self.v_bias.value.astype(dtype))
+    q = rotary_embedding(q, positions, cfg.rope_theta)
+    k = rotary_embedding(k, positions, cfg.rope_theta)
+
+    if cache_kv is None:
+      keys, values, key_positions = k, v, positions  # [B, T, ...]
+      new_cache = None
+    else:
+      cache_k, cache_v = cache_kv
+      rows = jnp.arange(x.shape[0])[:, None]
+      # Writes past the cache end (padding of an over-long bucket) are dropped.
+      keys = cache_k.at[rows, positions].set(k.astype(cache_k.dtype), mode="drop")
+      values = cache_v.at[rows, positions].set(v.astype(cache_v.dtype), mode="drop")
+      key_positions = jnp.broadcast_to(jnp.arange(keys.shape[1]), (x.shape[0], keys.shape[1]))
+      new_cache = (keys, values)
+
+    batch, length, heads, head_dim = q.shape
+    groups = heads // cfg.n_kv_heads
+    q = q.reshape(batch, length, cfg.n_kv_heads, groups, head_dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, keys.astype(dtype)).astype(jnp.float32)
+    scores = scores * (head_dim ** -0.5)
+    visible = key_positions[:, None, None, None, :] <= positions[:, None, None, :, None]
+    scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, values.astype(dtype))
+    out = out.reshape(batch, length, heads, head_dim)
+    return jnp.einsum("bthk,hkd->btd", out, self.o.value.astype(dtype)), new_cache
+
+
+class MLP(nnx.Module):
+  """SwiGLU feed-forward (Shazeer 2020)."""
+
+  def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    d, f = config.d_model, config.d_ff
+    self.gate = _param(rngs, nnx.initializers.normal(stddev=d ** -0.5), (d, f), ("embed", "mlp"))
+    self.up = _param(rngs, nnx.initializers.normal(stddev=d ** -0.5), (d, f), ("embed", "mlp"))
+    self.down = _param(rngs, nnx.initializers.normal(stddev=f ** -0.5), (f, d), ("mlp", "embed"))
+
+  def __call__(self, x):
+    dtype = x.dtype
+    hidden = jax.nn.silu(x @ self.gate.value.astype(dtype)) * (x @ self.up.value.astype(dtype))
+    return hidden @ self.down.value.astype(dtype)
+
+
+class Block(nnx.Module):
+
+  def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    self.attn_norm = RMSNorm(config.d_model, config.norm_eps, rngs)
+    self.attn = Attention(config, rngs)
+    self.mlp_norm = RMSNorm(config.d_model, config.norm_eps, rngs)
+    self.mlp = MLP(config, rngs)
+
+  def __call__(self, x, positions, cache_kv):
+    attn_out, new_cache = self.attn(self.attn_norm(x), positions, cache_kv)
+    x = x + attn_out
+    return x + self.mlp(self.mlp_norm(x)), new_cache
+
+
+class Decoder(nnx.Module):
+  """tokens [B, T] int32, positions [B, T] -> logits [B, T, V] float32 (and the new cache)."""
+
+  def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    self.config = config
+    self.embed = _param(rngs, nnx.initializers.normal(stddev=1.0), (config.vocab_size,
+                                                                   config.d_model),
+                        ("vocab", "embed"))
+    self.blocks = nnx.List([Block(config, rngs) for _ in range(config.n_layers)])
+    self.final_norm = RMSNorm(config.d_model, config.norm_eps, rngs)
+    if not config.tie_embeddings:
+      self.lm_head = _param(rngs, nnx.initializers.normal(stddev=config.d_model ** -0.5),
+                            (config.d_model, config.vocab_size), ("embed", "vocab"))
+
+  def __call__(self, tokens, positions=None, cache: KVCache | None = None):
+    if tokens.ndim != 2:
+      raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    dtype = jnp.dtype(self.config.dtype)
+    x = jnp.take(self.embed.value, tokens, axis=0).astype(dtype)
+    new_keys, new_values = [], []
+    for i, block in enumerate(self.blocks):
+      layer_cache = None if cache is None else (cache.keys[i], cache.values[i])
+      x, layer_new = block(x, positions, layer_cache)
+      if layer_new is not None:
+        new_keys.append(layer_new[0])
+        new_values.append(layer_new[1])
+    x = self.final_norm(x)
+    head = self.embed.value.T if self.config.tie_embeddings else self.lm_head.value
+    logits = jnp.einsum("btd,dv->btv", x.astype(jnp.float32), head.astype(jnp.float32))
+    new_cache = None if cache is None else KVCache(tuple(new_keys), tuple(new_values))
+    return logits, new_cache
+
+
+def init_model(config: ModelConfig, seed: int = 0) -> Decoder:
+  return Decoder(config, nnx.Rngs(params=seed))
+
+
+def split_model(model: Decoder):
+  """(graphdef, params): the static structure and the parameters as a plain nested dict.
+
+  Plain dicts of arrays are what jit, optax, orbax and device transfers all take as they are.
+  """
+  graphdef, state = nnx.split(model, nnx.Param)
+  return graphdef, nnx.to_pure_dict(state)
+
+
+def param_logical_axes(model: Decoder):
+  """Nested dict, like the params, of each parameter's logical axis names (a tuple)."""
+  _, state = nnx.split(model, nnx.Param)
+  axes = jax.tree.map(lambda var: var.get_metadata()["out_sharding"], state,
+                      is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return nnx.to_pure_dict(axes)
+
+
+def abstract_params(config: ModelConfig):
+  """(graphdef, params as ShapeDtypeStructs, logical axes) without allocating weights."""
+  model = nnx.eval_shape(lambda: init_model(config))
+  graphdef, params = split_model(model)
+  return graphdef, params, param_logical_axes(model)
+
+
+def apply(graphdef, params, tokens, positions=None, cache: KVCache | None = None):
+  """Pure forward pass: merge the module inside the traced function and run it."""
+  model = nnx.merge(graphdef, params)
+  return model(tokens, positions, cache)

@@ -1,0 +1,202 @@
+"""Continuous batching on the host: keep every decode slot busy, stream finished samples out.
+
+`ContinuousBatcher` owns one engine's decode state. Each `step()` refills free slots from the
+pending requests at once (one prefill per prompt, shared by the members of a GRPO group that are
+admitted together), runs one `generate` call, appends each slot's new tokens with their behaviour
+logprobs and the policy version that drew them, and returns the samples that finished (end token
+or max length). A weight swap between steps is either waited for (`drain`), or applied at the
+step boundary with the interrupted samples resumed by 'keep_kv' or 'reprefill'.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+import jax
+import numpy as np
+
+from jaxrl_async.rollout.engine import Engine
+from jaxrl_async.types import FinishReason, Sample
+
+PARTIAL_STRATEGIES = ("keep_kv", "reprefill")
+
+
+@dataclasses.dataclass
+class GenerationRequest:
+  """A sample to fill (prompt set, response empty or partial) and its sampling key."""
+
+  sample: Sample
+  key: np.ndarray  # uint32 [2]: raw PRNG key data
+
+
+@dataclasses.dataclass
+class _Slot:
+  request: GenerationRequest
+  tokens: list = dataclasses.field(default_factory=list)
+  log_probs: list = dataclasses.field(default_factory=list)
+  versions: list = dataclasses.field(default_factory=list)
+
+
+def sample_key(seed: int, group_id: int, index_in_group: int) -> np.ndarray:
+  """The key of one sample: a function of (seed, group, member) only, never of the slot."""
+  key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), group_id),
+                           index_in_group)
+  return np.asarray(key, np.uint32)
+
+
+class ContinuousBatcher:
+  """Host-side scheduler over an `Engine`; not thread-safe (one rollout thread owns it)."""
+
+  def __init__(self, engine: Engine, *, eos_id: int, max_response_len: int,
+               clock=time.time):
+    if max_response_len < 1:
+      raise ValueError(f"max_response_len must be >= 1, got {max_response_len}")
+    self.engine = engine
+    self.eos_id = eos_id
+    self.max_response_len = max_response_len
+    self.clock = clock
+    self.params = None
+    self.version = -1
+    self._state = engine.init_decode_state()
+    self._slots: list[_Slot | None] = [None] * engine.max_concurrent_decodes
+    self._pending: collections.deque[GenerationRequest] = collections.deque()
+    self.tokens_generated = 0  # response tokens kept (not counting idle-slot work)
+    self.slot_steps = 0  # slots x decode steps run, busy or idle
+
+  # ---- state -------------------------------------------------------------------------------
+  @property
+  def num_active(self) -> int:
+    return sum(slot is not None for slot in self._slots)
+
+  @property
+  def num_pending(self) -> int:
+    return len(self._pending)
+
+  @property
+  def idle(self) -> bool:
+    return not self._pending and self.num_active == 0
+
+  def set_params(self, params, version: int, *, partial_strategy: str | None = None) -> int:
+    """Swap weights at a step boundary. Returns how many in-flight samples were interrupted.
+
+    With samples in flight, `partial_strategy` says how they continue: 'keep_kv' keeps their
+    cache (old-weight keys and values), 'reprefill' recomputes prompt + partial response under
+    the new weights. `None` requires that nothing is in flight (drain first).
+    """
+    if partial_strategy is not None and partial_strategy not in PARTIAL_STRATEGIES:
+      raise ValueError(
+          f"partial_strategy must be one of {PARTIAL_STRATEGIES}, got {partial_strategy!r}")
+    active = [i for i, slot in enumerate(self._slots) if slot is not None]
+    if active and partial_strategy is None:
+      raise RuntimeError(
+          f"{len(active)} samples in flight: drain them or pass a partial_strategy")
+    self.params = self.engine.load_params(params)
+    self.version = int(version)
+    for i in active:
+      slot = self._slots[i]
+      slot.request.sample.interruptions += 1
+      if partial_strategy == "reprefill":
+        self._prefill_into(i, slot.request, np.asarray(slot.tokens, np.int32))
+    return len(active)
+
+  def submit(self, requests) -> None:
+    for request in requests:
+      total = len(request.sample.prompt_tokens) + self.max_response_len
+      if total > self.engine.cache_length:
+        raise ValueError(
+            f"prompt of {len(request.sample.prompt_tokens)} tokens + max_response_len="
+            f"{self.max_response_len} exceeds the cache length {self.engine.cache_length}")
+      self._pending.append(request)
+
+  def take_pending(self) -> list[GenerationRequest]:
+    """Remove and return requests not yet started (e.g. at shutdown, to count or re-issue)."""
+    taken = list(self._pending)
+    self._pending.clear()
+    return taken
+
+  def abort_active(self) -> list[Sample]:
+    """Stop every in-flight sample (shutdown); returns them marked ABORTED with partial data."""
+    aborted = []
+    for i, slot in enumerate(self._slots):
+      if slot is not None:
+        aborted.append(self._finish(i, FinishReason.ABORTED))
+    return aborted
+
+  # ---- the loop ------------------------------------------------------------------------------
+  def step(self, *, admit: bool = True) -> list[Sample]:
+    """Refill free slots (if `admit`), run one generate call, return the finished samples."""
+    if self.params is None:
+      raise RuntimeError("set_params must be called before step")
+    if admit:
+      self._refill()
+    if self.num_active == 0:
+      return []
+    self._state, result = self.engine.generate(self.params, self._state)
+    self.slot_steps += self.engine.max_concurrent_decodes * self.engine.steps_per_call
+    finished = []
+    for i, slot in enumerate(self._slots):
+      if slot is None:
+        continue
+      tokens, log_probs = result.get_result_at_slot(i)
+      for token, log_prob in zip(tokens.tolist(), log_probs.tolist()):
+        slot.tokens.append(token)
+        slot.log_probs.append(log_prob)
+        slot.versions.append(self.version)
+        self.tokens_generated += 1
+        if token == self.eos_id:
+          finished.append(self._finish(i, FinishReason.EOS))
+          break
+        if len(slot.tokens) >= self.max_response_len:
+          finished.append(self._finish(i, FinishReason.LENGTH))
+          break
+    return finished
+
+  def run_to_completion(self, requests, *, max_steps: int = 1_000_000) -> list[Sample]:
+    """Generate every request (continuous batching inside the call); the sync path."""
+    self.submit(requests)
+    done: list[Sample] = []
+    for _ in range(max_steps):
+      if self.idle:
+        return done
+      done.extend(self.step())
+    raise RuntimeError(f"generation did not finish within {max_steps} steps")
+
+  # ---- internals -----------------------------------------------------------------------------
+  def _refill(self) -> None:
+    prefixes = {}
+    for i, slot in enumerate(self._slots):
+      if slot is not None or not self._pending:
+        continue
+      request = self._pending.popleft()
+      prompt = request.sample.prompt_tokens
+      cache_key = (id(prompt), len(request.sample.response_tokens))
+      if len(request.sample.response_tokens) == 0 and cache_key in prefixes:
+        self._slots[i] = _Slot(request)
+        self._state = self.engine.insert(prefixes[cache_key], self._state, i, rng=request.key)
+        continue
+      prefixes[cache_key] = self._prefill_into(i, request, request.sample.response_tokens)
+      self._slots[i] = _Slot(request, list(request.sample.response_tokens.tolist()),
+                             list(request.sample.behaviour_logprobs.tolist()),
+                             list(request.sample.token_versions.tolist()))
+
+  def _prefill_into(self, slot_index: int, request: GenerationRequest, response: np.ndarray):
+    sequence = np.concatenate([request.sample.prompt_tokens, response]).astype(np.int32)
+    padded = self.engine.pad_to_bucket(sequence)
+    prefix = self.engine.prefill(params=self.params, padded_tokens=padded,
+                                 true_length=len(sequence))
+    self._state = self.engine.insert(prefix, self._state, slot_index, rng=request.key,
+                                     num_generated=len(response))
+    return prefix
+
+  def _finish(self, slot_index: int, reason: FinishReason) -> Sample:
+    slot = self._slots[slot_index]
+    self._slots[slot_index] = None
+    sample = slot.request.sample
+    sample.response_tokens = np.asarray(slot.tokens, np.int32)
+    sample.behaviour_logprobs = np.asarray(slot.log_probs, np.float32)
+    sample.token_versions = np.asarray(slot.versions, np.int32)
+    sample.finish_reason = reason.value
+    sample.stamp("generated", self.clock())
+    return sample

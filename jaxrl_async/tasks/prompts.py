@@ -1,0 +1,72 @@
+"""Grain pipelines of prompts.
+
+A task's problems are a pure function of their index, so a pipeline is a shuffled range of
+indices mapped through `task.problem`:
+
+  MapDataset.range(epoch_size) -> shuffle(seed) -> map(task.problem) -> repeat -> to_iter_dataset
+
+Its iterator yields `base.Problem`s. The iterator's state is only the position in that index
+stream, `{'next_index': int}` (grain's PrefetchDatasetIterator), so the elements themselves never
+need to be serialised: `it.get_state()` is a dict of plain ints that grain JSON-encodes, and
+`it.set_state(state)` on a fresh iterator of the same pipeline continues with the exact next
+problem. To checkpoint it with orbax, pass `grain.checkpoint.CheckpointSave(it)` /
+`grain.checkpoint.CheckpointRestore(it)` inside `ocp.args.Composite` (see tests/tasks).
+
+Each epoch is the same `epoch_size` problems; with `shuffle` every epoch visits them in a new
+order (grain reseeds the shuffle with the epoch number), so a prompt_id repeats once per epoch.
+"""
+
+from __future__ import annotations
+
+import grain
+import numpy as np
+
+from jaxrl_async.tasks import base
+
+DEFAULT_EPOCH_SIZE = 1 << 20
+
+
+def default_read_options() -> grain.ReadOptions:
+  """Problems are made in microseconds in the consumer's thread: prefetch threads would only
+  contend for the GIL with the roles (grain's advice for in-memory data)."""
+  return grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+
+
+class _ProblemAt:
+  """index -> task.problem(index, split); a class rather than a lambda so the pipeline pickles
+  (grain's multiprocessing prefetch sends it to worker processes)."""
+
+  def __init__(self, task: base.Task, split: str):
+    self.task, self.split = task, split
+
+  def __call__(self, index) -> base.Problem:
+    return self.task.problem(int(index), self.split)
+
+
+def prompt_dataset(task: base.Task, *, seed: int, split: str = "train", shuffle: bool = True,
+                   num_epochs: int | None = None, epoch_size: int = DEFAULT_EPOCH_SIZE,
+                   read_options: grain.ReadOptions | None = None) -> grain.IterDataset:
+  """An IterDataset of `task.problem(i, split)` over a (shuffled) range of indices.
+
+  Args:
+    task: any `base.Task`.
+    seed: the shuffle seed, in [0, 2**32 - 1]; the same seed gives the same order.
+    split: 'train' or 'eval'.
+    shuffle: if False, indices come in order 0, 1, 2, ... every epoch.
+    num_epochs: epochs of `epoch_size` problems; None repeats forever.
+    epoch_size: indices per epoch (a virtual epoch: problems are generated, not stored).
+    read_options: grain read options; default: no prefetch threads (see default_read_options).
+  """
+  base.check_split(split)
+  if not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
+    raise ValueError(f"seed must be an int in [0, 2**32 - 1], got {seed!r}")
+  if not isinstance(epoch_size, (int, np.integer)) or epoch_size < 1:
+    raise ValueError(f"epoch_size must be an int >= 1, got {epoch_size!r}")
+  if num_epochs is not None and (not isinstance(num_epochs, int) or num_epochs < 1):
+    raise ValueError(f"num_epochs must be None or an int >= 1, got {num_epochs!r}")
+  indices = grain.MapDataset.range(int(epoch_size))
+  if shuffle:
+    indices = indices.shuffle(seed=int(seed))
+  problems = indices.map(_ProblemAt(task, split))
+  problems = problems.repeat(num_epochs)
+  return problems.to_iter_dataset(read_options or default_read_options())
