@@ -46,10 +46,14 @@ class DigitReverseTask:
     min_len, max_len: digit string lengths, 1 <= min_len <= max_len <= 256.
     decay: P(L = k) ∝ decay**k, in (0, 1]; 1 is uniform, smaller is shorter-tailed.
     eval_fraction: share of digit strings held out for 'eval', in (0, 0.5].
+    holdout_min_len: strings shorter than this belong to both splits. There are only 110
+      strings of one or two digits; holding a tenth of them out would make a quarter of the
+      eval set one string ('0') and measure that string, not the policy.
   """
 
   def __init__(self, seed: int = 0, *, min_len: int = 1, max_len: int = 24,
-               decay: float = 0.75, eval_fraction: float = 0.1):
+               decay: float = 0.75, eval_fraction: float = 0.1, holdout_min_len: int = 3,
+               distractor_prob: float = 0.6):
     if not isinstance(seed, (int, np.integer)) or seed < 0:
       raise ValueError(f"seed must be an int >= 0, got {seed!r}")
     if not isinstance(min_len, (int, np.integer)) or not 1 <= min_len <= 256:
@@ -60,6 +64,12 @@ class DigitReverseTask:
       raise ValueError(f"decay must be in (0, 1], got {decay!r}")
     if not 0.0 < eval_fraction <= 0.5:
       raise ValueError(f"eval_fraction must be in (0, 0.5], got {eval_fraction!r}")
+    if not isinstance(holdout_min_len, (int, np.integer)) or holdout_min_len < 1:
+      raise ValueError(f"holdout_min_len must be an int >= 1, got {holdout_min_len!r}")
+    self.holdout_min_len = int(holdout_min_len)
+    if not 0.0 <= distractor_prob < 1.0:
+      raise ValueError(f"distractor_prob must be in [0, 1), got {distractor_prob!r}")
+    self.distractor_prob = float(distractor_prob)
     self.seed = int(seed)
     self.min_len, self.max_len = int(min_len), int(max_len)
     self.decay = float(decay)
@@ -72,7 +82,8 @@ class DigitReverseTask:
 
   def __repr__(self) -> str:
     return (f"DigitReverseTask(seed={self.seed}, min_len={self.min_len}, "
-            f"max_len={self.max_len}, decay={self.decay}, eval_fraction={self.eval_fraction})")
+            f"max_len={self.max_len}, decay={self.decay}, eval_fraction={self.eval_fraction}, "
+            f"holdout_min_len={self.holdout_min_len}, distractor_prob={self.distractor_prob})")
 
   # ---- sizes --------------------------------------------------------------------------------
   @property
@@ -110,10 +121,13 @@ class DigitReverseTask:
       raise ValueError(f"problem index must be an int >= 0, got {index!r}")
     rng = np.random.default_rng([self.seed, split_code, int(index)])
     want_eval = split == "eval"
+    # The length is drawn once, so both splits have the same length distribution; only the
+    # digits are redrawn until the string falls in the wanted split.
+    length = int(self._lengths[np.searchsorted(self._length_cdf, rng.random(), side="right")])
     for _ in range(_MAX_DRAWS):
-      length = int(self._lengths[np.searchsorted(self._length_cdf, rng.random(), side="right")])
       digits = "".join(map(str, rng.integers(0, 10, size=length).tolist()))
-      if in_eval_split(digits, self.eval_fraction) == want_eval:
+      if (length < self.holdout_min_len
+          or in_eval_split(digits, self.eval_fraction) == want_eval):
         return digits
     raise RuntimeError(f"no {split} problem found in {_MAX_DRAWS} draws for {self!r}")
 
@@ -150,8 +164,18 @@ class DigitReverseTask:
 
   # ---- supervised warm-up -------------------------------------------------------------------
   def sft_example(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+    """Warm-start example `index`: the reference answer, or with probability
+    `distractor_prob` (a pure function of seed and index) the digits copied in order.
+
+    The distractor makes the base policy competent but unreliable, as a pretrained model is:
+    it can do the task and often does something else, which RL is there to fix.
+    """
     problem = self.problem(index, "train")
     response = self.reference_response(problem)
+    draw = np.random.default_rng([self.seed, 7, int(index)]).random()
+    if draw < self.distractor_prob:
+      copied = self._tokenizer.encode(problem.meta["digits"]).tolist()
+      response = np.asarray(copied + [self._tokenizer.eos_id], np.int32)
     tokens = np.concatenate([problem.prompt_tokens, response]).astype(np.int32)
     loss_mask = np.concatenate([np.zeros(len(problem.prompt_tokens), np.float32),
                                 np.ones(len(response), np.float32)])

@@ -1,0 +1,124 @@
+"""VersionedBuffer throughput and queue latency; prints one JSON line.
+
+  python benchmarks/buffer_throughput.py [--samples 96000] [--group_size 8]
+
+Producers acquire a slot per group and put its samples one by one; one consumer takes
+`groups_per_batch` groups per get_groups call and publishes a new version after every
+`groups_per_version` groups (an instant weight sync), so the consumer keeps up and admission is
+exercised. Samples are built before the timed region. Reported: samples/s through put + get
+with 1 and with 4 producer threads, and p50 / p99 enqueue -> consume latency in ms over every
+sample of the 4-producer run (1-producer figures are reported too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+
+import numpy as np
+
+from jaxrl_async.buffer import VersionedBuffer
+from jaxrl_async.types import Sample
+
+TIMEOUT_S = 60.0
+
+
+def make_samples(num_groups: int, group_size: int, first_group_id: int) -> list[list[Sample]]:
+  groups = []
+  for group_id in range(first_group_id, first_group_id + num_groups):
+    groups.append([
+        Sample(prompt_id=group_id, group_id=group_id, group_size=group_size,
+               prompt_tokens=np.arange(16, dtype=np.int32),
+               response_tokens=np.arange(32, dtype=np.int32),
+               behaviour_logprobs=np.full((32,), -1.0, np.float32),
+               token_versions=np.zeros((32,), np.int32), finish_reason="eos",
+               reward=float(index % 2), reward_status="ok", meta={"index_in_group": index})
+        for index in range(group_size)
+    ])
+  return groups
+
+
+def run(num_producers: int, num_samples: int, group_size: int, groups_per_version: int,
+        staleness_threshold: float, groups_per_batch: int) -> dict[str, float]:
+  num_groups = num_samples // group_size
+  per_producer = num_groups // num_producers
+  work = [make_samples(per_producer, group_size, p * per_producer) for p in range(num_producers)]
+  total_groups = per_producer * num_producers
+  budget = int(np.floor((1 + staleness_threshold) * groups_per_version))
+  buffer = VersionedBuffer(group_size=group_size, groups_per_version=groups_per_version,
+                           staleness_threshold=staleness_threshold, max_version_gap=None,
+                           capacity=group_size * budget, clock=time.perf_counter)
+  consumed: list[list[Sample]] = []
+
+  def produce(groups: list[list[Sample]]) -> None:
+    for group in groups:
+      version = buffer.acquire_group_slot(TIMEOUT_S)
+      for sample in group:
+        sample.token_versions.fill(version)
+        buffer.put(sample, TIMEOUT_S)
+
+  def consume() -> None:
+    learner_version, in_version = 0, 0
+    remaining = total_groups
+    while remaining:
+      groups = buffer.get_groups(min(groups_per_batch, remaining), learner_version, TIMEOUT_S)
+      consumed.extend(groups)
+      remaining -= len(groups)
+      in_version += len(groups)
+      if in_version >= groups_per_version:
+        learner_version, in_version = learner_version + 1, in_version - groups_per_version
+        buffer.publish_version(learner_version)
+
+  threads = [threading.Thread(target=produce, args=(groups,), name=f"producer-{p}")
+             for p, groups in enumerate(work)]
+  threads.append(threading.Thread(target=consume, name="consumer"))
+  start = time.perf_counter()
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join(TIMEOUT_S * 4)
+  elapsed = time.perf_counter() - start
+  buffer.check_invariants()
+  latency_ms = 1e3 * np.array([s.timestamps["consumed"] - s.timestamps["enqueued"]
+                               for group in consumed for s in group])
+  assert latency_ms.size == total_groups * group_size, "samples lost"
+  return {"samples_per_s": latency_ms.size / elapsed,
+          "latency_ms_p50": float(np.percentile(latency_ms, 50)),
+          "latency_ms_p99": float(np.percentile(latency_ms, 99)),
+          "admission_wait_s": buffer.metrics()["queue/admission_wait_s"]}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--samples", type=int, default=96_000)
+  parser.add_argument("--group_size", type=int, default=8)
+  parser.add_argument("--groups_per_version", type=int, default=16)
+  parser.add_argument("--staleness_threshold", type=float, default=1.0)
+  parser.add_argument("--groups_per_batch", type=int, default=4)
+  args = parser.parse_args()
+  kwargs = dict(num_samples=args.samples, group_size=args.group_size,
+                groups_per_version=args.groups_per_version,
+                staleness_threshold=args.staleness_threshold,
+                groups_per_batch=args.groups_per_batch)
+  one = run(num_producers=1, **kwargs)
+  four = run(num_producers=4, **kwargs)
+  print(json.dumps({
+      "benchmark": "buffer_throughput",
+      "samples": args.samples, "group_size": args.group_size,
+      "groups_per_version": args.groups_per_version,
+      "staleness_threshold": args.staleness_threshold,
+      "groups_per_batch": args.groups_per_batch,
+      "samples_per_s_1_producer": round(one["samples_per_s"]),
+      "samples_per_s_4_producers": round(four["samples_per_s"]),
+      "latency_ms_p50": round(four["latency_ms_p50"], 4),
+      "latency_ms_p99": round(four["latency_ms_p99"], 4),
+      "latency_ms_p50_1_producer": round(one["latency_ms_p50"], 4),
+      "latency_ms_p99_1_producer": round(one["latency_ms_p99"], 4),
+      "admission_wait_s_4_producers": round(four["admission_wait_s"], 3),
+  }))
+
+
+if __name__ == "__main__":
+  main()

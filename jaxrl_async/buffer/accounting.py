@@ -1,0 +1,127 @@
+"""Sample accounting and queue latency (DESIGN.md, principle 5: nothing disappears uncounted).
+
+Every sample that entered `put` is, at every moment, in exactly one of: consumed, dropped under
+one reason of `jaxrl_async.types.DROP_REASONS`, or queued. `problems()` checks
+
+    put == consumed + sum(dropped) + queued.
+
+Latency is enqueue -> consume per sample, in seconds of the buffer's clock. The mean covers the
+whole run; p50 / p99 cover the most recent `LATENCY_WINDOW` samples (a bounded window keeps
+memory and checkpoints small and follows the current regime of the run).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from typing import Any, Iterable
+
+import numpy as np
+
+from jaxrl_async.types import DROP_REASONS
+
+LATENCY_WINDOW = 4096
+
+
+def check_drop_reason(reason: str) -> str:
+  if reason not in DROP_REASONS:
+    raise ValueError(f"reason={reason!r} is not a drop reason; allowed: {list(DROP_REASONS)}")
+  return reason
+
+
+class SampleAccounting:
+  """Counters of samples and groups; not thread-safe (the buffer's lock guards it)."""
+
+  __slots__ = ("put", "consumed", "queued", "dropped", "consumed_groups", "dropped_groups",
+               "unadmitted_groups", "admission_wait_s")
+
+  def __init__(self):
+    self.put = 0
+    self.consumed = 0
+    self.queued = 0
+    self.dropped = {reason: 0 for reason in DROP_REASONS}
+    self.consumed_groups = 0
+    self.dropped_groups = {reason: 0 for reason in DROP_REASONS}
+    self.unadmitted_groups = 0  # groups put without acquire_group_slot
+    self.admission_wait_s = 0.0
+
+  def record_drop(self, reason: str, num_samples: int, num_groups: int) -> None:
+    self.dropped[reason] += num_samples
+    self.dropped_groups[reason] += num_groups
+    self.queued -= num_samples
+
+  def record_consumed(self, num_samples: int, num_groups: int) -> None:
+    self.consumed += num_samples
+    self.consumed_groups += num_groups
+    self.queued -= num_samples
+
+  def problems(self, held_samples: int) -> list[str]:
+    found = []
+    dropped = sum(self.dropped.values())
+    if self.put != self.consumed + dropped + self.queued:
+      found.append(f"put={self.put} != consumed={self.consumed} + dropped={dropped} "
+                   f"({self.dropped}) + queued={self.queued}")
+    if self.queued != held_samples:
+      found.append(f"queued={self.queued} != samples held in groups={held_samples}")
+    return found
+
+  def counts(self) -> dict[str, Any]:
+    return {
+        "put": self.put,
+        "consumed": self.consumed,
+        "queued": self.queued,
+        "dropped": dict(self.dropped),
+        "consumed_groups": self.consumed_groups,
+        "dropped_groups": dict(self.dropped_groups),
+        "unadmitted_groups": self.unadmitted_groups,
+    }
+
+  def to_state(self) -> dict[str, Any]:
+    state = self.counts()
+    state["admission_wait_s"] = float(self.admission_wait_s)
+    return state
+
+  def load_state(self, state: dict[str, Any]) -> None:
+    for name in ("put", "consumed", "queued", "consumed_groups", "unadmitted_groups"):
+      setattr(self, name, int(state[name]))
+    self.dropped = {reason: int(state["dropped"][reason]) for reason in DROP_REASONS}
+    self.dropped_groups = {reason: int(state["dropped_groups"][reason])
+                           for reason in DROP_REASONS}
+    self.admission_wait_s = float(state["admission_wait_s"])
+
+
+class LatencyStats:
+  """Enqueue -> consume latency: running sum and count, and a window of recent values."""
+
+  __slots__ = ("total_s", "count", "recent")
+
+  def __init__(self):
+    self.total_s = 0.0
+    self.count = 0
+    self.recent: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
+
+  def extend(self, latencies_s: list[float]) -> None:
+    self.total_s += math.fsum(latencies_s)
+    self.count += len(latencies_s)
+    self.recent.extend(latencies_s)
+
+  def snapshot(self) -> tuple[float, int, list[float]]:
+    return self.total_s, self.count, list(self.recent)
+
+  @staticmethod
+  def summarise(total_s: float, count: int, recent: Iterable[float]) -> dict[str, float]:
+    """p50, p99 (recent window) and mean (whole run); NaN before the first consumed sample."""
+    window = np.fromiter(recent, np.float64)
+    if count == 0 or window.size == 0:
+      return {"p50": math.nan, "p99": math.nan, "mean": math.nan}
+    p50, p99 = np.percentile(window, [50.0, 99.0])
+    return {"p50": float(p50), "p99": float(p99), "mean": total_s / count}
+
+  def to_state(self) -> dict[str, Any]:
+    return {"total_s": float(self.total_s), "count": int(self.count),
+            "recent": [float(x) for x in self.recent]}
+
+  def load_state(self, state: dict[str, Any]) -> None:
+    self.total_s = float(state["total_s"])
+    self.count = int(state["count"])
+    self.recent = collections.deque((float(x) for x in state["recent"]), maxlen=LATENCY_WINDOW)

@@ -1,0 +1,130 @@
+"""Group assembly: why a sample (and so its group) is dropped, and the group records.
+
+A group is released to the learner only whole. If any member carries a failure, every member
+is counted under one reason, the first of `GROUP_DROP_PRIORITY` found among the members:
+
+  rollout_failed  finish_reason 'aborted' (generation never finished)
+  reward_failed   reward_status 'failed', or a reward that was never set ('pending'), or a
+                  non-finite reward under status 'ok' (DESIGN.md: a NaN reward is counted,
+                  never trained on)
+  reward_timeout  reward_status 'timeout'
+  truncated       finish_reason 'length', only when the buffer drops truncated samples
+
+The order follows the pipeline: a sample whose generation failed has no meaningful reward, and a
+reward failure outranks a policy choice (truncation).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Callable, Sequence
+
+from jaxrl_async.types import FinishReason, RewardStatus, Sample
+
+GROUP_DROP_PRIORITY = ("rollout_failed", "reward_failed", "reward_timeout", "truncated")
+NO_DROP = len(GROUP_DROP_PRIORITY)  # rank of a sample with nothing wrong
+
+_FINISH_REASONS = frozenset(r.value for r in FinishReason)
+_REWARD_STATUSES = frozenset(r.value for r in RewardStatus)
+
+GroupFilter = Callable[[list[Sample]], bool]
+
+
+def sample_drop_rank(sample: Sample, drop_truncated: bool) -> int:
+  """Index into GROUP_DROP_PRIORITY of the sample's own failure, or NO_DROP."""
+  finish = sample.finish_reason
+  status = sample.reward_status
+  if finish not in _FINISH_REASONS:
+    raise ValueError(f"Sample.finish_reason={finish!r} is not one of {sorted(_FINISH_REASONS)}")
+  if status not in _REWARD_STATUSES:
+    raise ValueError(f"Sample.reward_status={status!r} is not one of {sorted(_REWARD_STATUSES)}")
+  if finish == "aborted":
+    return 0
+  if status == "timeout":
+    return 2
+  if status != "ok" or not math.isfinite(sample.reward):  # 'failed', 'pending', or NaN reward
+    return 1
+  if drop_truncated and finish == "length":
+    return 3
+  return NO_DROP
+
+
+def drop_uniform_reward(group: Sequence[Sample]) -> bool:
+  """Group filter of DAPO's dynamic sampling: keep a group only if its rewards differ.
+
+  A group whose rewards are all equal has zero GRPO advantage everywhere and teaches nothing.
+  Returns True to keep. Rewards are compared exactly (they are usually 0/1 verifier scores);
+  a group of size 1 is always uniform, so this filter drops every such group.
+  """
+  first = group[0].reward
+  return any(sample.reward != first for sample in group[1:])
+
+
+class PartialGroup:
+  """A group whose members are still arriving; `slots[i]` is member i (index_in_group)."""
+
+  __slots__ = ("group_id", "slots", "count", "admitted", "drop_rank", "min_version")
+
+  def __init__(self, group_id: int, group_size: int, admitted: bool):
+    self.group_id = group_id
+    self.slots: list[Sample | None] = [None] * group_size
+    self.count = 0
+    self.admitted = admitted
+    self.drop_rank = NO_DROP
+    self.min_version: int | None = None
+
+  def add(self, index: int, sample: Sample, drop_rank: int, min_version: int | None) -> None:
+    self.slots[index] = sample
+    self.count += 1
+    self.drop_rank = min(self.drop_rank, drop_rank)
+    if min_version is not None and (self.min_version is None or min_version < self.min_version):
+      self.min_version = min_version
+
+  def members(self) -> list[Sample]:
+    return [sample for sample in self.slots if sample is not None]
+
+
+class ReadyGroup:
+  """A whole group that passed the drop checks and the filter, waiting for the learner."""
+
+  __slots__ = ("samples", "admitted", "min_version")
+
+  def __init__(self, samples: list[Sample], admitted: bool, min_version: int | None):
+    self.samples = samples
+    self.admitted = admitted
+    self.min_version = min_version  # oldest token version in the group; None: no tokens
+
+  def is_stale(self, learner_version: int, max_version_gap: int | None) -> bool:
+    return (max_version_gap is not None and self.min_version is not None
+            and learner_version - self.min_version > max_version_gap)
+
+
+def sample_min_version(sample: Sample) -> int | None:
+  versions = sample.token_versions
+  return int(versions.min()) if versions.size else None
+
+
+def index_in_group(sample: Sample, group_size: int) -> int:
+  index = sample.meta.get("index_in_group", 0)
+  if isinstance(index, numbers.Integral) and not isinstance(index, bool):
+    index = int(index)
+  if not isinstance(index, int) or not 0 <= index < group_size:
+    raise ValueError(f"Sample.meta['index_in_group']={index!r} must be an int in "
+                     f"[0, {group_size}) (group {sample.group_id})")
+  return index
+
+
+# ---- JSON form of samples (checkpoints) ---------------------------------------------------
+def encode_sample(sample: Sample) -> dict[str, Any]:
+  """Sample.to_dict, with a non-finite reward written as a string so the state is strict JSON."""
+  data = sample.to_dict()
+  if not math.isfinite(data["reward"]):
+    data["reward"] = repr(data["reward"])  # 'nan', 'inf', '-inf'
+  return data
+
+
+def decode_sample(data: dict[str, Any]) -> Sample:
+  data = dict(data)
+  data["reward"] = float(data["reward"])
+  return Sample.from_dict(data)

@@ -1,0 +1,122 @@
+"""RunConfig: every knob of a run, validated at start with the knob's name and allowed range.
+
+Knob names and meanings follow verl (DESIGN.md, "Knobs"):
+  N = mini_batch_size * require_batches * trigger_parameter_sync_step groups per policy version.
+One local update is one optimizer step on `require_batches` mini-batches of `mini_batch_size`
+groups; `trigger_parameter_sync_step` local updates make one policy version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxrl_async.learner.sft import WarmStartConfig
+from jaxrl_async.learner.step import LearnerConfig
+from jaxrl_async.rollout.generation import PARTIAL_STRATEGIES
+from jaxrl_async.rollout.sampling import SamplingConfig
+from jaxrl_async.sharding import MeshShape
+
+MODES = ("sync", "on_policy", "stream_off_policy", "async_stale", "async_partial")
+SYNC_BACKENDS = ("device", "store")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  mode: str = "sync"
+  seed: int = 0
+  task: Any = None  # a Task; None = the built-in DigitReverseTask(seed)
+  model: str = "tiny"
+  # -- batch geometry --
+  group_size: int = 8
+  mini_batch_size: int = 8
+  require_batches: int = 1
+  trigger_parameter_sync_step: int = 1
+  total_samples: int = 20_480  # the run's budget of consumed samples
+  # -- freshness --
+  staleness_threshold: float = 0.0
+  max_version_gap: int | None = None
+  partial_rollout: bool = False
+  partial_strategy: str = "reprefill"
+  # -- rollout --
+  max_concurrent_decodes: int = 64
+  decode_steps_per_call: int = 1
+  sampling: SamplingConfig = SamplingConfig()
+  reward_workers: int = 2
+  reward_timeout_s: float = 10.0
+  reward_retries: int = 1
+  # -- learner --
+  learner: LearnerConfig = LearnerConfig()
+  warm_start: WarmStartConfig = WarmStartConfig()
+  learner_mesh: MeshShape = MeshShape(data=1, fsdp=1, tensor=1)
+  sync_backend: str = "device"
+  # -- bookkeeping --
+  eval_every_versions: int = 10
+  eval_size: int = 256
+  checkpoint_every_versions: int = 50
+  buffer_capacity: int | None = None  # samples; None = enough for the admission budget
+  debug_checks: bool = True  # assert the staleness invariants on every consumed batch
+
+  def __post_init__(self):
+    _choice("mode", self.mode, MODES)
+    _choice("partial_strategy", self.partial_strategy, PARTIAL_STRATEGIES)
+    _choice("sync_backend", self.sync_backend, SYNC_BACKENDS)
+    if self.group_size < 2:
+      raise ValueError(
+          f"group_size must be >= 2 (GRPO normalises rewards within a group), got "
+          f"{self.group_size}")
+    for name in ("mini_batch_size", "require_batches", "trigger_parameter_sync_step",
+                 "max_concurrent_decodes", "decode_steps_per_call", "reward_workers",
+                 "eval_every_versions", "eval_size", "checkpoint_every_versions"):
+      _positive_int(name, getattr(self, name))
+    if self.staleness_threshold < 0:
+      raise ValueError(
+          f"staleness_threshold must be >= 0 (0 = on-policy), got {self.staleness_threshold}")
+    if self.max_version_gap is not None and self.max_version_gap < 0:
+      raise ValueError(f"max_version_gap must be >= 0 or None, got {self.max_version_gap}")
+    if not self.reward_timeout_s > 0:
+      raise ValueError(f"reward_timeout_s must be > 0, got {self.reward_timeout_s}")
+    if self.reward_retries < 0:
+      raise ValueError(f"reward_retries must be >= 0, got {self.reward_retries}")
+    if self.total_samples < self.samples_per_version:
+      raise ValueError(
+          f"total_samples={self.total_samples} is less than one policy version's "
+          f"{self.samples_per_version} samples (groups_per_version x group_size)")
+    if self.mode == "sync" and (self.staleness_threshold or self.partial_rollout):
+      raise ValueError("mode='sync' needs staleness_threshold=0 and partial_rollout=False")
+    if self.mode in ("on_policy", "stream_off_policy") and self.staleness_threshold != 0:
+      raise ValueError(f"mode={self.mode!r} needs staleness_threshold=0, got "
+                       f"{self.staleness_threshold}")
+    if self.partial_rollout and self.staleness_threshold == 0:
+      raise ValueError("partial_rollout=True needs staleness_threshold > 0 (with s = 0 nothing "
+                       "is in flight across a version boundary)")
+
+  @property
+  def groups_per_update(self) -> int:
+    return self.mini_batch_size * self.require_batches
+
+  @property
+  def groups_per_version(self) -> int:
+    return self.groups_per_update * self.trigger_parameter_sync_step
+
+  @property
+  def samples_per_version(self) -> int:
+    return self.groups_per_version * self.group_size
+
+  @property
+  def num_versions(self) -> int:
+    return self.total_samples // self.samples_per_version
+
+  @property
+  def is_async(self) -> bool:
+    return self.mode != "sync"
+
+
+def _choice(name: str, value, allowed) -> None:
+  if value not in allowed:
+    raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def _positive_int(name: str, value) -> None:
+  if not isinstance(value, int) or value < 1:
+    raise ValueError(f"{name} must be a positive int, got {value!r}")

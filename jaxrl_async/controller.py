@@ -1,0 +1,294 @@
+"""Wires the roles for a mode and runs them: `run(config, run_dir)`.
+
+`build` makes the parts every mode shares (task, model, engine, learner state, update step,
+reward pool, prompt pipeline); the sync baseline and the async modes use the very same parts
+and differ only in their barriers. The sync loop is here; the async roles live in
+`rollout/rollouter.py`, `learner/learner.py` and `sync/`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxrl_async import sharding
+from jaxrl_async.checkpoint import RunCheckpointer
+from jaxrl_async.config import RunConfig
+from jaxrl_async.learner import step as step_lib
+from jaxrl_async.learner.batching import collate
+from jaxrl_async.learner.sft import cached_base_policy
+from jaxrl_async.metrics import JsonlWriter, RoleTimer, reduce_metrics, staleness_metrics, sum_pairs
+from jaxrl_async.model import get_config, param_logical_axes, split_model, init_model
+from jaxrl_async.rollout.engine import Engine
+from jaxrl_async.rollout.evaluate import evaluate
+from jaxrl_async.rollout.generation import ContinuousBatcher, GenerationRequest, sample_key
+from jaxrl_async.rollout.rewards import RewardPool
+from jaxrl_async.tasks import prompts as prompts_lib
+from jaxrl_async.tasks.reverse import DigitReverseTask
+from jaxrl_async.types import RewardStatus, Sample
+
+
+@dataclasses.dataclass
+class Parts:
+  """What every mode shares. Built once per run by `build`."""
+
+  config: RunConfig
+  task: Any
+  model_config: Any
+  graphdef: Any
+  logical_axes: Any
+  mesh: Any
+  state: step_lib.TrainState
+  update: Any
+  logprobs: Any
+  engine: Engine
+  eval_problems: list
+  prompt_iterator: Any
+  rewards: RewardPool
+
+  def new_batcher(self) -> ContinuousBatcher:
+    return ContinuousBatcher(self.engine, eos_id=self.task.tokenizer.eos_id,
+                             max_response_len=self.task.max_response_len)
+
+  @property
+  def seq_len(self) -> int:
+    return self.task.max_sequence_len
+
+
+def build(config: RunConfig, *, log=print) -> Parts:
+  task = config.task if config.task is not None else DigitReverseTask(config.seed)
+  model_config = get_config(config.model, vocab_size=task.tokenizer.vocab_size,
+                            max_seq_len=task.max_sequence_len)
+  mesh = sharding.make_mesh(config.learner_mesh,
+                            jax.devices()[:_mesh_size(config.learner_mesh)])
+  model = jax.eval_shape(lambda: init_model(model_config))
+  graphdef, _ = split_model(model)
+  logical_axes = param_logical_axes(model)
+  params = cached_base_policy(task, model_config, config.warm_start, mesh, log=log)
+  state = step_lib.init_train_state(params, config.learner.optimizer(), mesh, logical_axes)
+  update = step_lib.make_update_fn(graphdef, config.learner, config.group_size,
+                                   step_lib.state_shardings(state))
+  engine = Engine(graphdef, model_config, max_concurrent_decodes=config.max_concurrent_decodes,
+                  max_prefill_length=task.max_sequence_len, sampling=config.sampling,
+                  steps_per_call=config.decode_steps_per_call)
+  prompt_iterator = iter(prompts_lib.prompt_dataset(task, seed=config.seed))
+  rewards = RewardPool(task.reward, num_workers=config.reward_workers,
+                       timeout_s=config.reward_timeout_s, max_retries=config.reward_retries)
+  return Parts(config=config, task=task, model_config=model_config, graphdef=graphdef,
+               logical_axes=logical_axes, mesh=mesh, state=state, update=update,
+               logprobs=step_lib.make_logprob_fn(graphdef, config.learner.temperature),
+               engine=engine, eval_problems=task.eval_set(config.eval_size),
+               prompt_iterator=prompt_iterator, rewards=rewards)
+
+
+def _mesh_size(shape: sharding.MeshShape) -> int:
+  sizes = [s for s in (shape.data, shape.fsdp, shape.tensor) if s != -1]
+  return len(jax.devices()) if -1 in (shape.data, shape.fsdp, shape.tensor) else int(
+      np.prod(sizes))
+
+
+def make_group_requests(problem, group_id: int, group_size: int, seed: int, members=None,
+                        clock=time.time):
+  """One GRPO group: `group_size` samples of one prompt (or the listed members), each with its
+  own key, so a re-issued member is generated exactly as it would have been."""
+  now = clock()
+  requests = []
+  for index in (range(group_size) if members is None else members):
+    sample = Sample(prompt_id=problem.prompt_id, group_id=group_id, group_size=group_size,
+                    prompt_tokens=problem.prompt_tokens,
+                    meta={**problem.meta, "index_in_group": index})
+    sample.stamp("created", now)
+    requests.append(GenerationRequest(sample, sample_key(seed, group_id, index)))
+  return requests
+
+
+def copy_params(params):
+  """A fresh copy (the learner's buffers are donated at every update)."""
+  return jax.tree.map(lambda x: x.copy(), params)
+
+
+def learner_update(parts: Parts, state, groups, window_params, version: int,
+                   local_update: int) -> tuple[Any, dict]:
+  """One optimizer step on `groups`; the anchor follows `old_logprob_source`."""
+  cfg = parts.config
+  batch = step_lib.shard_batch(collate(groups, parts.seq_len), parts.mesh)
+  anchor = (parts.logprobs(window_params, batch.tokens) if cfg.learner.needs_recompute
+            else batch.behaviour_logprobs)
+  current_version = version + local_update / cfg.trigger_parameter_sync_step
+  state, metrics = parts.update(state, batch, anchor, np.float32(version),
+                                np.float32(current_version))
+  return state, metrics
+
+
+def group_ok(group: list[Sample]) -> bool:
+  return all(s.reward_status == RewardStatus.OK.value for s in group)
+
+
+class Evaluator:
+  """Held-out accuracy on its own decode state (never disturbs the rollout's slots)."""
+
+  def __init__(self, parts: Parts):
+    self.parts = parts
+    self.batcher = parts.new_batcher()
+
+  def __call__(self, params, version: int) -> dict[str, float]:
+    self.batcher.set_params(copy_params(params), version)
+    return evaluate(self.batcher, self.parts.task, self.parts.eval_problems,
+                    seed=self.parts.config.seed)
+
+
+def run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = False,
+        progress: bool = True, log=print) -> dict[str, float]:
+  """Train in `config.mode`; writes metrics.jsonl, checkpoints/ and summary.json in run_dir."""
+  os.makedirs(run_dir, exist_ok=True)
+  parts = build(config, log=log)
+  try:
+    if config.is_async:
+      from jaxrl_async.async_controller import run_async  # noqa: PLC0415 (heavy, mode-only)
+      summary = run_async(parts, run_dir, resume=resume, progress=progress, log=log)
+    else:
+      summary = run_sync(parts, run_dir, resume=resume, progress=progress, log=log)
+  finally:
+    parts.rewards.close()
+  with open(os.path.join(run_dir, "summary.json"), "w", encoding="utf-8") as f:
+    json.dump(summary, f, indent=2, sort_keys=True)
+  return summary
+
+
+def progress_bar(total: int, initial: int, enabled: bool):
+  from tqdm import tqdm  # noqa: PLC0415
+  return tqdm(total=total, initial=initial, disable=not enabled, unit="version",
+              dynamic_ncols=True)
+
+
+def run_sync(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print):
+  """The baseline: rollout -> reward -> old logprob -> update -> push weights, in turn."""
+  cfg = parts.config
+  timer = RoleTimer()
+  writer = JsonlWriter(os.path.join(run_dir, "metrics.jsonl"))
+  checkpointer = RunCheckpointer(os.path.join(run_dir, "checkpoints"))
+  evaluator = Evaluator(parts)
+  batcher = parts.new_batcher()
+  state = parts.state
+  version, next_group, consumed, tokens_consumed, dropped = 0, 0, 0, 0, {}
+  if resume and checkpointer.latest_step() is not None:
+    state, run_state, _ = checkpointer.restore(state, parts.prompt_iterator)
+    version, next_group = run_state["policy_version"], run_state["next_group_id"]
+    consumed, tokens_consumed = run_state["consumed_samples"], run_state["consumed_tokens"]
+    dropped = run_state["dropped"]
+    timer.start -= run_state.get("wall_s", 0.0)
+    log(f"resumed from {checkpointer.directory} at policy_version {version}")
+  window_params = copy_params(state.params)
+  batcher.set_params(copy_params(state.params), version)
+  last_eval: dict[str, float] = {}
+  bar = progress_bar(cfg.num_versions, version, progress)
+  try:
+    while version < cfg.num_versions:
+      if version % cfg.eval_every_versions == 0:
+        with timer.excluded():
+          last_eval = evaluator(state.params, version)
+        writer.write({"policy_version": version, "learner_step": int(state.step),
+                      "samples": consumed, "time_s": timer.wall_s(), **last_eval})
+      requests = []
+      for _ in range(cfg.groups_per_version):
+        requests += make_group_requests(next(parts.prompt_iterator), next_group,
+                                        cfg.group_size, cfg.seed)
+        next_group += 1
+      with timer.busy("rollout"):
+        samples = batcher.run_to_completion(requests)
+      with timer.busy("reward"):
+        samples = parts.rewards.score_all(samples)
+      groups = _assemble_groups(samples, cfg.group_size, dropped)
+      if cfg.debug_checks:
+        gap = staleness_metrics(groups, version)["algo/version_gap_max"]
+        assert gap == 0, f"sync mode consumed a token with version gap {gap}"
+      accumulated: dict = {}
+      with timer.busy("learner"):
+        for local in range(cfg.trigger_parameter_sync_step):
+          chunk = groups[local * cfg.groups_per_update:(local + 1) * cfg.groups_per_update]
+          if len(chunk) < cfg.groups_per_update:
+            break  # dropped groups: the sync baseline updates on what it has, never pads
+          state, metrics = learner_update(parts, state, chunk, window_params, version, local)
+          accumulated = sum_pairs(accumulated, jax.device_get(metrics))
+      consumed += sum(len(g) for g in groups)
+      tokens_consumed += sum(s.num_response_tokens for g in groups for s in g)
+      with timer.busy("sync"):
+        began = time.perf_counter()
+        window_params = copy_params(state.params)
+        batcher.set_params(copy_params(state.params), version + 1)
+        jax.block_until_ready(batcher.params)
+        sync_latency = time.perf_counter() - began
+      version += 1
+      record = version_record(parts, timer, version, state, groups, accumulated, consumed,
+                               tokens_consumed, dropped, sync_latency)
+      writer.write(record)
+      bar.set_postfix(reward=f"{record['result/reward_mean']:.3f}",
+                      acc=f"{last_eval.get('eval/accuracy', float('nan')):.3f}")
+      bar.update(1)
+      if version % cfg.checkpoint_every_versions == 0 or version == cfg.num_versions:
+        with timer.excluded():
+          checkpointer.save(version, state, parts.prompt_iterator, {
+              "policy_version": version, "next_group_id": next_group,
+              "consumed_samples": consumed, "consumed_tokens": tokens_consumed,
+              "dropped": dropped, "wall_s": timer.wall_s()})
+    with timer.excluded():
+      last_eval = evaluator(state.params, version)
+    writer.write({"policy_version": version, "learner_step": int(state.step),
+                  "samples": consumed, "time_s": timer.wall_s(), **last_eval})
+  finally:
+    bar.close()
+    writer.close()
+    checkpointer.close()
+  parts.state = state
+  return {**timer.summary(), **last_eval, "mode": cfg.mode, "policy_version": version,
+          "learner_step": int(state.step), "consumed_samples": consumed,
+          "system/samples_per_s": consumed / max(timer.wall_s(), 1e-9),
+          "run_dir": os.path.abspath(run_dir), "checkpoint_dir": checkpointer.directory,
+          **{f"queue/dropped/{k}": v for k, v in dropped.items()}}
+
+
+def _assemble_groups(samples, group_size: int, dropped: dict) -> list[list[Sample]]:
+  by_group: dict[int, list[Sample]] = {}
+  for sample in samples:
+    by_group.setdefault(sample.group_id, []).append(sample)
+  groups = []
+  for group_id in sorted(by_group):
+    group = sorted(by_group[group_id], key=lambda s: s.meta["index_in_group"])
+    if len(group) == group_size and group_ok(group):
+      groups.append(group)
+      continue
+    reason = "reward_timeout" if any(s.reward_status == "timeout" for s in group) else (
+        "reward_failed")
+    dropped[reason] = dropped.get(reason, 0) + len(group)
+  return groups
+
+
+def version_record(parts, timer, version, state, groups, accumulated, consumed, tokens,
+                   dropped, sync_latency) -> dict:
+  rewards = [s.reward for g in groups for s in g]
+  record = {
+      "policy_version": version,
+      "learner_step": int(state.step),
+      "samples": consumed,
+      "time_s": timer.wall_s(),
+      "system/samples_per_s": consumed / max(timer.wall_s(), 1e-9),
+      "system/tokens_per_s": tokens / max(timer.wall_s(), 1e-9),
+      "system/steps_per_hour": int(state.step) * 3600.0 / max(timer.wall_s(), 1e-9),
+      "result/reward_mean": float(np.mean(rewards)) if rewards else float("nan"),
+      "result/accuracy": float(np.mean(np.asarray(rewards) == 1.0)) if rewards else float("nan"),
+      "sync/latency_s": sync_latency,
+      "sync/bytes": int(sum(x.nbytes for x in jax.tree.leaves(state.params))),
+      "sync/interval_steps": parts.config.trigger_parameter_sync_step,
+      "algo/old_logprob_source": parts.config.learner.old_logprob_source,
+      **staleness_metrics(groups, version - 1),
+      **reduce_metrics(accumulated, prefix="algo/"),
+      **{f"queue/dropped/{k}": v for k, v in dropped.items()},
+  }
+  record.update(timer.summary())
+  return record

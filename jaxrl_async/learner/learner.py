@@ -1,0 +1,130 @@
+"""The Learner role: consume groups from the buffer, update, publish a version every
+`trigger_parameter_sync_step` local updates.
+
+Every consumed batch is checked against the staleness bound before it is trained on: with
+`staleness_threshold` = 0 every token's version gap must be 0, and no gap may exceed
+`max_version_gap` (the buffer drops such groups; a violation here is a bug and stops the run).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import jax
+
+from jaxrl_async.buffer import BufferClosed, BufferTimeout, VersionedBuffer
+from jaxrl_async.metrics import RoleTimer, staleness_metrics, sum_pairs
+from jaxrl_async.sync.channel import WeightChannel
+
+
+class StalenessViolation(AssertionError):
+  """A consumed token is older than the mode allows."""
+
+
+def check_staleness(groups, learner_version: int, *, on_policy: bool,
+                    max_version_gap: int | None) -> dict[str, float]:
+  stats = staleness_metrics(groups, learner_version)
+  gap = stats["algo/version_gap_max"]
+  if on_policy and gap != 0:
+    raise StalenessViolation(
+        f"on-policy mode consumed a token with version gap {gap} at version {learner_version}")
+  if max_version_gap is not None and gap > max_version_gap:
+    raise StalenessViolation(
+        f"consumed a token with version gap {gap} > max_version_gap={max_version_gap}")
+  if min(s.min_version for g in groups for s in g) > learner_version:
+    raise StalenessViolation("consumed a token from a version newer than the learner's")
+  return stats
+
+
+class LearnerRole:
+  """Runs in its own thread; `update_fn(state, groups, window_params, version, local)`."""
+
+  def __init__(self, *, state, buffer: VersionedBuffer, channel: WeightChannel, timer: RoleTimer,
+               update_fn: Callable, copy_params: Callable, groups_per_update: int,
+               trigger_parameter_sync_step: int, num_versions: int, start_version: int,
+               on_policy: bool, max_version_gap: int | None, needs_window_params: bool,
+               on_version: Callable[[int, object, list, dict, dict], None],
+               debug_checks: bool = True, poll_s: float = 0.05):
+    self.state = state
+    self.buffer = buffer
+    self.channel = channel
+    self.timer = timer
+    self.update_fn = update_fn
+    self.copy_params = copy_params
+    self.groups_per_update = groups_per_update
+    self.trigger = trigger_parameter_sync_step
+    self.num_versions = num_versions
+    self.version = start_version
+    self.on_policy = on_policy
+    self.max_version_gap = max_version_gap
+    self.needs_window_params = needs_window_params
+    self.on_version = on_version  # (version, state, groups, metrics, staleness) after publish
+    self.debug_checks = debug_checks
+    self.poll_s = poll_s
+    self.wait_s = 0.0  # time blocked on the buffer
+    self.error: BaseException | None = None
+    self.done = threading.Event()
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, name="learner", daemon=True)
+
+  def start(self) -> None:
+    self._thread.start()
+
+  def stop(self) -> None:
+    self._stop.set()
+
+  def join(self, timeout: float) -> None:
+    self._thread.join(timeout)
+    if self._thread.is_alive():
+      raise TimeoutError(f"learner did not stop within {timeout} s")
+
+  @property
+  def alive(self) -> bool:
+    return self._thread.is_alive()
+
+  def _get_groups(self):
+    began = time.perf_counter()
+    try:
+      while not self._stop.is_set():
+        try:
+          return self.buffer.get_groups(self.groups_per_update, self.version,
+                                        timeout=self.poll_s)
+        except BufferTimeout:
+          continue
+      return None
+    finally:
+      self.wait_s += time.perf_counter() - began
+
+  def _run(self) -> None:
+    try:
+      if self.channel.latest_version() < self.version:
+        with self.timer.busy("sync"):
+          self.channel.publish(self.version, self.state.params)
+      while self.version < self.num_versions and not self._stop.is_set():
+        window_params = self.copy_params(self.state.params) if self.needs_window_params else None
+        consumed, accumulated, staleness = [], {}, []
+        for local in range(self.trigger):
+          groups = self._get_groups()
+          if groups is None:
+            return
+          if self.debug_checks:
+            staleness.append(check_staleness(groups, self.version, on_policy=self.on_policy,
+                                             max_version_gap=self.max_version_gap))
+          with self.timer.busy("learner"):
+            self.state, metrics = self.update_fn(self.state, groups, window_params,
+                                                 self.version, local)
+            accumulated = sum_pairs(accumulated, jax.device_get(metrics))
+          consumed.extend(groups)
+        self.version += 1
+        with self.timer.busy("sync"):
+          self.channel.publish(self.version, self.state.params)
+        self.on_version(self.version, self.state, consumed, accumulated,
+                        staleness_metrics(consumed, self.version - 1))
+    except BufferClosed:
+      pass
+    except BaseException as error:
+      self.error = error
+    finally:
+      self.done.set()

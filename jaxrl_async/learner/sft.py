@@ -1,0 +1,118 @@
+"""Supervised warm start: a short cross-entropy run that makes the base policy RL starts from.
+
+RL on a verifiable task needs a base policy that is right some of the time (here 10% to 60% on
+the held-out set), or every GRPO group has equal rewards and no signal. `warm_start` trains one on
+the task's reference answers; `cached_base_policy` makes it once per (task, model, recipe) and keeps
+it in an orbax checkpoint under a cache directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+
+from jaxrl_async.learner.step import TrainState, init_train_state, state_shardings
+from jaxrl_async.model import ModelConfig, apply, init_model, param_logical_axes, split_model
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartConfig:
+  steps: int = 1200
+  batch_size: int = 64
+  learning_rate: float = 1e-2
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.steps < 0:
+      raise ValueError(f"warm start steps must be >= 0, got {self.steps}")
+    if self.batch_size < 1:
+      raise ValueError(f"warm start batch_size must be >= 1, got {self.batch_size}")
+    if not self.learning_rate > 0:
+      raise ValueError(f"warm start learning_rate must be > 0, got {self.learning_rate}")
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array):
+  """Mean over masked tokens of -log softmax(logits)[target]. logits [B,T,V]; targets, mask [B,T]."""
+  assert logits.ndim == 3 and targets.shape == mask.shape == logits.shape[:2]
+  logp = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)),
+                             targets[..., None], axis=-1)[..., 0]
+  return -jnp.sum(logp * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def make_sft_step(graphdef, state_sh):
+  def step(state: TrainState, tokens, loss_mask):
+    def loss(params):
+      logits, _ = apply(graphdef, params, tokens[:, :-1])
+      return cross_entropy(logits, tokens[:, 1:], loss_mask[:, 1:])
+
+    value, grads = jax.value_and_grad(loss)(state.params)
+    updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+    return TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state,
+                      state.tx), value
+
+  return jax.jit(step, donate_argnums=(0,), out_shardings=(state_sh, None))
+
+
+def warm_start(task, model_config: ModelConfig, config: WarmStartConfig, mesh, *,
+               log_every: int = 50, log=print):
+  """Train a base policy from random init on the task's reference answers; returns params."""
+  model = init_model(model_config, config.seed)
+  graphdef, params = split_model(model)
+  tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, 10,
+                                                      max(config.steps, 11)))
+  state = init_train_state(params, tx, mesh, param_logical_axes(model))
+  step_fn = make_sft_step(graphdef, state_shardings(state))
+  rng = np.random.default_rng(config.seed)
+  seq_len = model_config.max_seq_len
+  for i in range(config.steps):
+    tokens, loss_mask = task.sft_batch(rng, config.batch_size, seq_len)
+    state, loss = step_fn(state, tokens, loss_mask)
+    if log_every and (i + 1) % log_every == 0:
+      log(f"warm start step {i + 1}/{config.steps}: loss {float(loss):.4f}")
+  return jax.device_get(state.params)
+
+
+def _cache_key(task, model_config: ModelConfig, config: WarmStartConfig) -> str:
+  text = json.dumps({"task": repr(task), "model": dataclasses.asdict(model_config),
+                     "warm_start": dataclasses.asdict(config), "format": 1}, sort_keys=True)
+  return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def default_cache_dir() -> pathlib.Path:
+  root = os.environ.get("JAXRL_ASYNC_CACHE") or os.path.join(
+      os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "jaxrl_async")
+  return pathlib.Path(root)
+
+
+def cached_base_policy(task, model_config: ModelConfig, config: WarmStartConfig, mesh, *,
+                       cache_dir: str | os.PathLike | None = None, log=print):
+  """Load the base policy for (task, model, recipe) from the cache, or train and cache it."""
+  directory = pathlib.Path(cache_dir or default_cache_dir()) / "base" / _cache_key(
+      task, model_config, config)
+  graphdef, abstract = split_model(jax.eval_shape(lambda: init_model(model_config)))
+  del graphdef
+  checkpointer = ocp.StandardCheckpointer()
+  if (directory / "params").exists():
+    log(f"base policy: loading {directory}")
+    return checkpointer.restore(directory / "params", abstract)
+  log(f"base policy: warm start ({config.steps} supervised steps), caching in {directory}")
+  params = warm_start(task, model_config, config, mesh, log=log)
+  directory.mkdir(parents=True, exist_ok=True)
+  tmp = directory / f"params.tmp{os.getpid()}"
+  checkpointer.save(tmp.absolute(), params)
+  checkpointer.wait_until_finished()
+  try:
+    os.replace(tmp, directory / "params")  # atomic: a concurrent run sees all or nothing
+  except OSError as error:  # another process finished first; use its copy
+    print(f"base policy: keeping the existing cache ({error})", file=sys.stderr)
+  return checkpointer.restore((directory / "params").absolute(), abstract)

@@ -1,0 +1,160 @@
+"""The one metric vocabulary, role timers and sinks.
+
+Names (DESIGN.md): system/samples_per_s, system/tokens_per_s, system/steps_per_hour,
+<role>/busy_s, <role>/idle_ratio (over the whole run); queue/...; sync/latency_s, sync/bytes,
+sync/interval_steps; algo/version_gap_mean|max, algo/stale_ratio, algo/partial_ratio,
+algo/max_partial_span, algo/kl, algo/clipfrac, algo/entropy, algo/is_weight_mean|max,
+algo/masked_fraction, algo/old_logprob_source; result/reward_mean, result/accuracy.
+`learner_step` (updates) and `policy_version` (syncs) are separate axes on every record.
+
+Token-level values travel as (sum, count) pairs and are divided only here, when logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import threading
+import time
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+ROLES = ("rollout", "reward", "learner", "sync")
+
+
+class RoleTimer:
+  """Busy time per role over the whole run; idle ratio = 1 - busy / wall-clock since start.
+
+  Intervals of one role may come from several threads (a reward worker pool); they are merged
+  per role so that overlapping intervals count once.
+  """
+
+  def __init__(self, roles: Iterable[str] = ROLES, clock=time.perf_counter):
+    self._clock = clock
+    self._lock = threading.Lock()
+    self._busy = {role: 0.0 for role in roles}
+    self._open: dict[str, list[float]] = {role: [] for role in roles}
+    self._active_since: dict[str, float] = {}
+    self._excluded = 0.0
+    self.start = clock()
+
+  @contextlib.contextmanager
+  def busy(self, role: str):
+    self._enter(role)
+    try:
+      yield
+    finally:
+      self._exit(role)
+
+  def _enter(self, role: str) -> None:
+    with self._lock:
+      if role not in self._busy:
+        raise KeyError(f"unknown role {role!r}; roles are {sorted(self._busy)}")
+      if not self._open[role]:
+        self._active_since[role] = self._clock()
+      self._open[role].append(1)
+
+  def _exit(self, role: str) -> None:
+    with self._lock:
+      self._open[role].pop()
+      if not self._open[role]:
+        self._busy[role] += self._clock() - self._active_since.pop(role)
+
+  @contextlib.contextmanager
+  def excluded(self):
+    """Time spent here (evaluation, checkpoints) is removed from the run's wall-clock."""
+    begin = self._clock()
+    try:
+      yield
+    finally:
+      with self._lock:
+        self._excluded += self._clock() - begin
+
+  def wall_s(self) -> float:
+    return self._clock() - self.start - self._excluded
+
+  def busy_s(self, role: str) -> float:
+    with self._lock:
+      extra = self._clock() - self._active_since[role] if role in self._active_since else 0.0
+      return self._busy[role] + extra
+
+  def summary(self) -> dict[str, float]:
+    wall = max(self.wall_s(), 1e-9)
+    out = {"system/wall_s": wall}
+    for role in self._busy:
+      busy = self.busy_s(role)
+      out[f"{role}/busy_s"] = busy
+      out[f"{role}/idle_ratio"] = max(0.0, 1.0 - busy / wall)
+    return out
+
+
+def reduce_metrics(metrics: Mapping, prefix: str = "") -> dict[str, float]:
+  """(sum, count) pairs -> sum / count; arrays -> float; everything under `prefix`."""
+  out = {}
+  for name, value in metrics.items():
+    if isinstance(value, tuple) and len(value) == 2:
+      total, count = float(np.asarray(value[0])), float(np.asarray(value[1]))
+      out[prefix + name] = total / count if count > 0 else float("nan")
+    elif isinstance(value, str):
+      out[prefix + name] = value
+    else:
+      out[prefix + name] = float(np.asarray(value))
+  return out
+
+
+def sum_pairs(accumulated: dict, metrics: Mapping) -> dict:
+  """Accumulate (sum, count) pairs across mini-batches; other values keep the latest."""
+  for name, value in metrics.items():
+    if isinstance(value, tuple) and name in accumulated:
+      accumulated[name] = (accumulated[name][0] + value[0], accumulated[name][1] + value[1])
+    else:
+      accumulated[name] = value
+  return accumulated
+
+
+def staleness_metrics(groups, learner_version: int) -> dict[str, float]:
+  """algo/version_gap_*, stale_ratio, partial_ratio, max_partial_span for consumed groups."""
+  gaps, partial, spans, samples = [], 0, [0], 0
+  for group in groups:
+    for sample in group:
+      samples += 1
+      gaps.append(learner_version - sample.token_versions)
+      partial += sample.is_partial
+      spans.append(sample.version_span)
+  gaps = np.concatenate(gaps) if gaps else np.zeros((0,), np.int32)
+  return {
+      "algo/version_gap_mean": float(gaps.mean()) if gaps.size else 0.0,
+      "algo/version_gap_max": float(gaps.max()) if gaps.size else 0.0,
+      "algo/stale_ratio": float(np.mean(gaps >= 1)) if gaps.size else 0.0,
+      "algo/partial_ratio": partial / max(samples, 1),
+      "algo/max_partial_span": float(max(spans)),
+  }
+
+
+class JsonlWriter:
+  """Appends one JSON object per line; NaN / inf are written as null."""
+
+  def __init__(self, path: str | os.PathLike):
+    self.path = os.fspath(path)
+    os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+    self._file = open(self.path, "a", encoding="utf-8")
+    self._lock = threading.Lock()
+
+  def write(self, record: Mapping) -> None:
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+             for k, v in record.items()}
+    with self._lock:
+      self._file.write(json.dumps(clean, sort_keys=True) + "\n")
+      self._file.flush()
+
+  def close(self) -> None:
+    with self._lock:
+      self._file.close()
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f if line.strip()]

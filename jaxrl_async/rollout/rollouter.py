@@ -1,0 +1,241 @@
+"""The Rollouter role: keeps the decode slots full and streams finished samples out.
+
+One thread owns the engine's `ContinuousBatcher`. Each turn of its loop it
+1. takes new weights from the weight channel when a newer version is there: with
+   `partial_rollout` off it stops starting samples, lets the ones in flight finish on the old
+   weights, then swaps; with it on it swaps at the next decode-step boundary and resumes the
+   interrupted samples by `partial_strategy`;
+2. admits new GRPO groups through the buffer's admission (`staleness_threshold`) while the slots
+   have room, and submits their samples;
+3. runs one decode step and hands every finished sample to the reward pool, whose workers put it
+   into the buffer.
+
+`pause()` stops it at a step boundary with no sample between roles (in the reward pool), so a
+checkpoint can capture the buffer and the prompts in flight consistently.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from jaxrl_async.buffer import BufferClosed, BufferTimeout, VersionedBuffer
+from jaxrl_async.metrics import RoleTimer
+from jaxrl_async.rollout.generation import ContinuousBatcher
+from jaxrl_async.rollout.rewards import RewardPool
+from jaxrl_async.sync.channel import WeightChannel
+from jaxrl_async.tasks.base import Problem
+
+
+class Rollouter:
+
+  def __init__(self, *, batcher: ContinuousBatcher, prompts, rewards: RewardPool,
+               buffer: VersionedBuffer, channel: WeightChannel, timer: RoleTimer,
+               make_requests, group_size: int, partial_rollout: bool, partial_strategy: str,
+               next_group_id: int = 0, reissue: list[dict] | None = None,
+               put_timeout_s: float = 60.0, poll_s: float = 0.02):
+    self.batcher = batcher
+    self.prompts = prompts
+    self.rewards = rewards
+    self.buffer = buffer
+    self.channel = channel
+    self.timer = timer
+    self.make_requests = make_requests  # (problem, group_id, member indices) -> requests
+    self.group_size = group_size
+    self.partial_rollout = partial_rollout
+    self.partial_strategy = partial_strategy
+    self.next_group_id = next_group_id
+    self.put_timeout_s = put_timeout_s
+    self.poll_s = poll_s
+    # Groups re-issued after a restore: (problem dict, group id, missing member indices).
+    self._reissue = list(reissue or [])
+    self._inflight: dict[int, dict[str, Any]] = {}  # group id -> problem + missing members
+    self._lock = threading.Lock()
+    self._stop = threading.Event()
+    # Pause handshake, one condition for both flags so a pause right after a resume is safe.
+    self._pause_cv = threading.Condition()
+    self._pause_requested = False
+    self._paused = False
+    self._rewarding = 0  # samples in the reward pool
+    self._rewarding_cv = threading.Condition(self._lock)
+    self.error: BaseException | None = None
+    self.counts = {"interrupted": 0, "swaps": 0, "shutdown": 0, "groups_started": 0}
+    self._draining = False
+    self._thread = threading.Thread(target=self._run, name="rollouter", daemon=True)
+
+  # ---- lifecycle -----------------------------------------------------------------------------
+  def start(self) -> None:
+    self._thread.start()
+
+  def stop(self) -> None:
+    self._stop.set()
+
+  def join(self, timeout: float) -> None:
+    self._thread.join(timeout)
+    if self._thread.is_alive():
+      raise TimeoutError(f"rollouter did not stop within {timeout} s")
+
+  @property
+  def alive(self) -> bool:
+    return self._thread.is_alive()
+
+  def pause(self, timeout: float = 60.0) -> None:
+    """Stop at a step boundary and wait until no sample is in the reward pool."""
+    with self._pause_cv:
+      self._pause_requested = True
+      self._pause_cv.notify_all()
+      if not self._pause_cv.wait_for(lambda: self._paused, timeout):
+        raise TimeoutError(f"rollouter did not pause within {timeout} s")
+    with self._rewarding_cv:
+      if not self._rewarding_cv.wait_for(lambda: self._rewarding == 0, timeout):
+        raise TimeoutError(f"reward pool did not drain within {timeout} s")
+
+  def resume(self) -> None:
+    with self._pause_cv:
+      self._pause_requested = False
+      self._pause_cv.notify_all()
+
+  def _honor_pause(self) -> None:
+    with self._pause_cv:
+      if not self._pause_requested:
+        return
+      self._paused = True
+      self._pause_cv.notify_all()
+      while self._pause_requested and not self._stop.is_set():
+        self._pause_cv.wait(self.poll_s)
+      self._paused = False
+
+  def _mark_stopped(self) -> None:
+    with self._pause_cv:
+      self._paused = True  # a stopped rollouter is as good as paused for a snapshot
+      self._pause_cv.notify_all()
+
+  def snapshot(self) -> dict[str, Any]:
+    """While paused: the groups in flight (to re-issue on restore) and the next group id."""
+    with self._pause_cv:
+      if not self._paused:
+        raise RuntimeError("snapshot() needs pause() first")
+    with self._lock:
+      inflight = [{"problem": entry["problem"], "group_id": gid,
+                   "missing": sorted(entry["missing"])}
+                  for gid, entry in sorted(self._inflight.items())]
+    return {"next_group_id": self.next_group_id, "inflight": inflight + self._reissue}
+
+  # ---- the loop ------------------------------------------------------------------------------
+  def _run(self) -> None:
+    try:
+      self._wait_for_first_weights()
+      while not self._stop.is_set():
+        self._honor_pause()
+        self._maybe_swap()
+        self._admit()
+        if self.batcher.num_active or (self.batcher.num_pending and not self._draining):
+          with self.timer.busy("rollout"):
+            finished = self.batcher.step(admit=not self._draining)
+          for sample in finished:
+            self._to_reward(sample)
+        else:
+          self._wait_for_work()
+    except BufferClosed:
+      pass  # shutdown
+    except BaseException as error:  # reaches the controller with the role's name
+      self.error = error
+    finally:
+      try:
+        self._shutdown_accounting()
+      finally:
+        self._mark_stopped()
+
+  def _wait_for_first_weights(self) -> None:
+    while not self._stop.is_set():
+      if self.channel.wait_for_version(-1, timeout=self.poll_s) >= 0:
+        version, params = self.channel.fetch()
+        self.batcher.set_params(params, version)
+        self.buffer.publish_version(version)
+        return
+
+  def _maybe_swap(self) -> None:
+    latest = self.channel.latest_version()
+    if latest <= self.batcher.version:
+      return
+    if not self.partial_rollout and self.batcher.num_active:
+      self._draining = True  # finish in-flight samples on the old weights first
+      return
+    version, params = self.channel.fetch()
+    with self.timer.busy("rollout"):
+      interrupted = self.batcher.set_params(
+          params, version, partial_strategy=self.partial_strategy if self.partial_rollout
+          else None)
+    self.counts["interrupted"] += interrupted
+    self.counts["swaps"] += 1
+    self._draining = False
+    self.buffer.publish_version(version)
+
+  def _admit(self) -> None:
+    if self._draining:
+      return
+    slots = self.batcher.engine.max_concurrent_decodes
+    while self.batcher.num_active + self.batcher.num_pending < slots + self.group_size:
+      if not self._reissue and self.buffer.available_slots <= 0:
+        return
+      if self._reissue and self._reissue[0]["missing"] != list(range(self.group_size)):
+        entry = self._reissue.pop(0)  # a partial group already holds its admission
+      else:
+        try:
+          self.buffer.acquire_group_slot(timeout=1e-3)
+        except BufferTimeout:
+          return
+        entry = self._reissue.pop(0) if self._reissue else None
+      self._start_group(entry)
+
+  def _start_group(self, entry: dict | None) -> None:
+    if entry is None:
+      problem = next(self.prompts)
+      group_id, members = self.next_group_id, list(range(self.group_size))
+      self.next_group_id += 1
+    else:
+      problem = Problem.from_dict(entry["problem"])
+      group_id, members = entry["group_id"], list(entry["missing"])
+    with self._lock:
+      self._inflight[group_id] = {"problem": problem.to_dict(), "missing": set(members)}
+    self.counts["groups_started"] += 1
+    self.batcher.submit(self.make_requests(problem, group_id, members))
+
+  def _wait_for_work(self) -> None:
+    """Nothing to generate: block on admission or a new version, at most poll_s."""
+    if self.buffer.available_slots > 0 or self._reissue:
+      return
+    self.channel.wait_for_version(self.batcher.version, timeout=self.poll_s)
+
+  # ---- reward and hand-off -------------------------------------------------------------------
+  def _to_reward(self, sample) -> None:
+    with self._lock:
+      self._rewarding += 1
+    self.rewards.submit(sample).add_done_callback(self._on_rewarded)
+
+  def _on_rewarded(self, future) -> None:
+    try:
+      sample = future.result()
+      self.buffer.put(sample, timeout=self.put_timeout_s)
+      with self._lock:
+        entry = self._inflight.get(sample.group_id)
+        if entry is not None:
+          entry["missing"].discard(int(sample.meta["index_in_group"]))
+          if not entry["missing"]:
+            del self._inflight[sample.group_id]
+    except BufferClosed:
+      with self._lock:
+        self.counts["shutdown"] += 1
+    except BaseException as error:  # a full buffer past its timeout is a role failure
+      if self.error is None:
+        self.error = error
+      self._stop.set()
+    finally:
+      with self._rewarding_cv:
+        self._rewarding -= 1
+        self._rewarding_cv.notify_all()
+
+  def _shutdown_accounting(self) -> None:
+    aborted = self.batcher.abort_active() + [r.sample for r in self.batcher.take_pending()]
+    with self._lock:
+      self.counts["shutdown"] += len(aborted)

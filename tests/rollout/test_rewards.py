@@ -1,0 +1,116 @@
+"""Tests for jaxrl_async.rollout.rewards: failures, timeouts and retries are data, never raised."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from jaxrl_async.rollout.rewards import RewardPool
+from jaxrl_async.types import Sample
+
+TIMEOUT_S = 0.2
+
+
+def _samples(kinds):
+  return [Sample(prompt_id=i, group_id=i, group_size=1, prompt_tokens=[1, 5],
+                 response_tokens=[6, 2], behaviour_logprobs=[-0.1, -0.2], token_versions=[0, 0],
+                 meta={"kind": kind, "index_in_group": 0}) for i, kind in enumerate(kinds)]
+
+
+class Verifier:
+  """Reward by meta['kind']; counts calls per sample (thread-safe)."""
+
+  def __init__(self):
+    self.calls = {}
+    self.release = threading.Event()  # lets sleeping calls end when the test is over
+    self._lock = threading.Lock()
+
+  def __call__(self, prompt_tokens, response_tokens, meta):
+    with self._lock:
+      self.calls[meta["kind"]] = self.calls.get(meta["kind"], 0) + 1
+    kind = meta["kind"]
+    if kind == "raise":
+      raise RuntimeError("verifier crashed")
+    if kind == "sleep":
+      self.release.wait(timeout=5 * TIMEOUT_S)
+      return 1.0
+    if kind == "nan":
+      return float("nan")
+    if kind == "inf":
+      return float("inf")
+    if kind == "flaky":  # fails on the first call only
+      if self.calls[kind] == 1:
+        raise ValueError("transient")
+      return 0.5
+    return float(len(response_tokens))
+
+
+@pytest.fixture
+def verifier():
+  v = Verifier()
+  yield v
+  v.release.set()
+
+
+def test_statuses_retries_and_counts(verifier):
+  pool = RewardPool(verifier, num_workers=3, timeout_s=TIMEOUT_S, max_retries=1,
+                    clock=lambda: 42.0)
+  try:
+    kinds = ["ok", "raise", "sleep", "nan", "ok", "flaky", "inf"]
+    samples = _samples(kinds)
+    done = pool.score_all(samples)
+  finally:
+    pool.close()
+  assert [s.prompt_id for s in done] == list(range(len(kinds)))  # same samples, same order
+  assert all(d is s for d, s in zip(done, samples))
+  by_kind = {s.meta["kind"] + str(s.prompt_id): s for s in done}
+  expected = {"ok0": ("ok", 2.0, 0), "raise1": ("failed", None, 1), "sleep2": ("timeout", None, 1),
+              "nan3": ("failed", None, 1), "ok4": ("ok", 2.0, 0), "flaky5": ("ok", 0.5, 1),
+              "inf6": ("failed", None, 1)}
+  for name, (status, reward, retries) in expected.items():
+    sample = by_kind[name]
+    assert sample.reward_status == status, name
+    assert sample.retries == retries, name
+    if reward is None:
+      assert np.isnan(sample.reward), name
+    else:
+      assert sample.reward == reward, name
+    assert sample.timestamps["rewarded"] == 42.0
+  assert pool.counts == {"ok": 3, "failed": 3, "timeout": 1, "retries": 5}
+  assert verifier.calls["raise"] == 2 and verifier.calls["sleep"] == 2
+  assert verifier.calls["ok"] == 2  # no retry after a success
+
+
+def test_no_retries_means_one_call(verifier):
+  pool = RewardPool(verifier, num_workers=1, timeout_s=TIMEOUT_S, max_retries=0)
+  try:
+    sample = pool.score(_samples(["raise"])[0])
+  finally:
+    pool.close()
+  assert (sample.reward_status, sample.retries) == ("failed", 0)
+  assert verifier.calls == {"raise": 1}
+
+
+def test_timeouts_do_not_block_the_other_samples(verifier):
+  pool = RewardPool(verifier, num_workers=2, timeout_s=TIMEOUT_S, max_retries=0)
+  try:
+    begin = time.monotonic()
+    futures = [pool.submit(s) for s in _samples(["sleep", "sleep", "ok", "ok", "ok"])]
+    done = [f.result(timeout=10) for f in futures]
+    elapsed = time.monotonic() - begin
+  finally:
+    pool.close()
+  assert [s.reward_status for s in done] == ["timeout", "timeout", "ok", "ok", "ok"]
+  # Abandoned calls keep their call workers, but the drivers move on after the timeout.
+  assert elapsed < 5 * TIMEOUT_S
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"num_workers": 0}, r"num_workers must be >= 1, got 0"),
+    ({"timeout_s": 0.0}, r"timeout_s must be > 0, got 0.0"),
+    ({"max_retries": -1}, r"max_retries must be >= 0, got -1"),
+])
+def test_bad_configuration_names_the_knob(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    RewardPool(lambda *a: 1.0, **kwargs)
