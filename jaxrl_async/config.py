@@ -27,6 +27,7 @@ class RunConfig:
   seed: int = 0
   task: Any = None  # a Task; None = the built-in DigitReverseTask(seed)
   model: str = "tiny"
+  cache_length: int | None = None  # KV cache / sequence length; None = the task's longest
   # -- batch geometry --
   group_size: int = 8
   mini_batch_size: int = 8

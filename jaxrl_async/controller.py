@@ -58,13 +58,19 @@ class Parts:
 
   @property
   def seq_len(self) -> int:
-    return self.task.max_sequence_len
+    return self.model_config.max_seq_len
 
 
 def build(config: RunConfig, *, log=print) -> Parts:
   task = config.task if config.task is not None else DigitReverseTask(config.seed)
+  cache_length = config.cache_length or task.max_sequence_len
+  if cache_length < task.max_sequence_len:
+    raise ValueError(
+        f"cache_length={config.cache_length} is shorter than the task's longest prompt + "
+        f"response ({task.max_prompt_len} + {task.max_response_len} = "
+        f"{task.max_sequence_len} tokens); allowed: >= {task.max_sequence_len} or None")
   model_config = get_config(config.model, vocab_size=task.tokenizer.vocab_size,
-                            max_seq_len=task.max_sequence_len)
+                            max_seq_len=cache_length)
   mesh = sharding.make_mesh(config.learner_mesh,
                             jax.devices()[:_mesh_size(config.learner_mesh)])
   model = jax.eval_shape(lambda: init_model(model_config))
@@ -146,11 +152,15 @@ class Evaluator:
 def run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = False,
         progress: bool = True, log=print) -> dict[str, float]:
   """Train in `config.mode`; writes metrics.jsonl, checkpoints/ and summary.json in run_dir."""
+  return run_parts(build(config, log=log), run_dir, resume=resume, progress=progress, log=log)
+
+
+def run_parts(parts: Parts, run_dir: str | os.PathLike, *, resume: bool = False,
+              progress: bool = True, log=print) -> dict[str, float]:
   os.makedirs(run_dir, exist_ok=True)
-  parts = build(config, log=log)
   try:
-    if config.is_async:
-      from jaxrl_async.async_controller import run_async  # noqa: PLC0415 (heavy, mode-only)
+    if parts.config.is_async:
+      from jaxrl_async.async_controller import run_async  # noqa: PLC0415 (mode-only)
       summary = run_async(parts, run_dir, resume=resume, progress=progress, log=log)
     else:
       summary = run_sync(parts, run_dir, resume=resume, progress=progress, log=log)

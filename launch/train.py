@@ -76,8 +76,9 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   try:
     load_config(args.gin_file or [DEFAULT_GIN], args.gin_bindings)
-    # Build the RunConfig now, so an unknown or bad setting fails before any work.
+    # Build the RunConfig and the run's parts now, so a bad setting fails before any training.
     config = gin.get_configurable(config_lib.RunConfig)()
+    parts = controller.build(config)
   except (ValueError, TypeError, FileNotFoundError) as error:
     print(f"jaxrl-async train: configuration error: {error}", file=sys.stderr)
     return 2
@@ -89,7 +90,8 @@ def main(argv=None) -> int:
   print(f"run_dir: {os.path.abspath(run_dir)} (mode {config.mode}, "
         f"{config.num_versions} policy versions, {config.total_samples} samples)")
   try:
-    summary = controller.run(config, run_dir, resume=args.resume, progress=not args.no_progress)
+    summary = controller.run_parts(parts, run_dir, resume=args.resume,
+                                   progress=not args.no_progress)
   except KeyboardInterrupt:
     print(f"\ninterrupted; resume with --resume --run_dir {run_dir}", file=sys.stderr)
     return 130

@@ -99,12 +99,11 @@ def init_train_state(params, tx: optax.GradientTransformation, mesh: Mesh, logic
   """Place params on the learner mesh by their logical axes and build the optimizer state there."""
   param_sh = sharding.param_shardings(logical_axes, params, mesh)
   params = jax.device_put(params, param_sh, may_alias=False)  # the state is donated
-  opt_state = jax.jit(tx.init)(params)
-  # Leaves created from scratch (step counts) land on one device; replicate them on the mesh.
-  mesh_devices = set(mesh.devices.flat)
-  opt_state = jax.tree.map(
-      lambda x: x if set(x.sharding.device_set) == mesh_devices else jax.device_put(
-          x, sharding.replicated(mesh)), opt_state)
+  # Optimizer moments take their parameter's sharding, everything else (counts) is replicated;
+  # explicit NamedShardings everywhere, so the jitted update sees the same shardings on every call.
+  opt_sh = optax.tree_map_params(tx, lambda _, sh: sh, jax.eval_shape(tx.init, params), param_sh,
+                                 transform_non_params=lambda _: sharding.replicated(mesh))
+  opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
   step = jax.device_put(jnp.zeros((), jnp.int32), sharding.replicated(mesh))
   return TrainState(step=step, params=params, opt_state=opt_state, tx=tx)
 

@@ -100,6 +100,8 @@ class Engine:
     self._generate = jax.jit(self._generate_impl, donate_argnums=(1,))
     self._prefill = jax.jit(self._prefill_impl)
     self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
+    # Built by jit so its shardings match the outputs of insert / generate (no recompile).
+    self._init_decode_state = jax.jit(self._init_decode_state_impl)
 
   # ---- JetStream Engine API ---------------------------------------------------------------
   @property
@@ -121,6 +123,9 @@ class Engine:
     return jax.device_put(params, sharding.param_shardings(self.logical_axes, params, self.mesh))
 
   def init_decode_state(self) -> DecodeState:
+    return self._init_decode_state()
+
+  def _init_decode_state_impl(self) -> DecodeState:
     slots = self._slots
     return DecodeState(
         cache=KVCache.zeros(self.config, slots, self.cache_length),

@@ -1,0 +1,139 @@
+"""Sync and the four async modes, one after another, same task, seed and sample budget.
+
+    python benchmarks/modes.py --total_samples 25600 --out benchmarks/results/modes
+
+Prints one JSON line (per mode: final accuracy, samples/s, idle ratios, version gap, stale and
+partial ratios, time to reach sync's final accuracy; and the ratios against sync) and writes
+<out>.json and <out>.png (accuracy against wall-clock for every mode; samples/s and idle ratios).
+Each mode runs from its gin file in gin/modes/, so the benchmark measures what users run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import gin  # noqa: E402
+
+from jaxrl_async import config as config_lib  # noqa: E402
+from jaxrl_async import controller  # noqa: E402
+from jaxrl_async.metrics import read_jsonl  # noqa: E402
+from launch import train  # noqa: E402
+
+MODES = ("sync", "on_policy", "stream_off_policy", "async_stale", "async_partial")
+
+
+def run_mode(mode: str, bindings: list[str], run_dir: str) -> dict:
+  train.load_config([f"gin/modes/{mode}.gin"], bindings)
+  config = gin.get_configurable(config_lib.RunConfig)()
+  summary = controller.run(config, run_dir, progress=False, log=lambda *a: None)
+  records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+  curve = [(r["time_s"], r["samples"], r["eval/accuracy"]) for r in records
+           if "eval/accuracy" in r]
+  per_version = [r for r in records if "algo/version_gap_max" in r]
+  return {
+      "summary": summary, "curve": curve,
+      "version_gap_max": max(r["algo/version_gap_max"] for r in per_version),
+      "stale_ratio_mean": sum(r["algo/stale_ratio"] for r in per_version) / len(per_version),
+      "partial_ratio_mean": sum(r["algo/partial_ratio"] for r in per_version) / len(per_version),
+      "max_partial_span": max(r["algo/max_partial_span"] for r in per_version),
+  }
+
+
+def time_to_reach(curve, target: float) -> float | None:
+  for time_s, _, accuracy in curve:
+    if accuracy >= target:
+      return time_s
+  return None
+
+
+def plot(results: dict, path: str) -> None:
+  import matplotlib  # noqa: PLC0415
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+  fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+  for mode, result in results.items():
+    times, _, accuracy = zip(*result["curve"])
+    axes[0].plot(times, accuracy, marker=".", label=mode)
+  axes[0].set(xlabel="wall-clock s (eval excluded)", ylabel="held-out accuracy",
+              title="accuracy vs wall-clock")
+  axes[0].legend()
+  modes = list(results)
+  axes[1].bar(modes, [results[m]["summary"]["system/samples_per_s"] for m in modes])
+  axes[1].set(title="samples/s", ylabel="samples/s")
+  width = 0.2
+  for i, role in enumerate(("rollout", "reward", "learner", "sync")):
+    axes[2].bar([j + i * width for j in range(len(modes))],
+                [results[m]["summary"][f"{role}/idle_ratio"] for m in modes], width, label=role)
+  axes[2].set_xticks([j + 1.5 * width for j in range(len(modes))], modes)
+  axes[2].set(title="idle ratio per role", ylim=(0, 1))
+  axes[2].legend()
+  for ax in axes[1:]:
+    ax.tick_params(axis="x", rotation=30)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--total_samples", type=int, default=25_600)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--modes", default=",".join(MODES))
+  parser.add_argument("--eval_every_versions", type=int, default=20)
+  parser.add_argument("--gin_bindings", action="append", default=[])
+  parser.add_argument("--out", default=os.path.join(
+      "benchmarks", "results", f"modes-{time.strftime('%Y%m%d-%H%M%S')}"))
+  args = parser.parse_args(argv)
+  os.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  bindings = [f"RunConfig.total_samples = {args.total_samples}", f"RunConfig.seed = {args.seed}",
+              f"RunConfig.eval_every_versions = {args.eval_every_versions}",
+              "RunConfig.checkpoint_every_versions = 1000000", *args.gin_bindings]
+  results = {}
+  with tempfile.TemporaryDirectory() as root:
+    for mode in args.modes.split(","):
+      print(f"running {mode} ...", file=sys.stderr, flush=True)
+      results[mode] = run_mode(mode, bindings, os.path.join(root, mode))
+  base = results.get("sync")
+  table = {}
+  for mode, result in results.items():
+    summary = result["summary"]
+    row = {
+        "final_accuracy": summary["eval/accuracy"],
+        "samples_per_s": summary["system/samples_per_s"],
+        "wall_s": summary["system/wall_s"],
+        **{f"{role}_idle_ratio": summary[f"{role}/idle_ratio"]
+           for role in ("rollout", "reward", "learner", "sync")},
+        "version_gap_max": result["version_gap_max"],
+        "stale_ratio_mean": result["stale_ratio_mean"],
+        "partial_ratio_mean": result["partial_ratio_mean"],
+        "max_partial_span": result["max_partial_span"],
+    }
+    if base is not None:
+      target = base["summary"]["eval/accuracy"]
+      reach = time_to_reach(result["curve"], target)
+      row["samples_per_s_vs_sync"] = row["samples_per_s"] / base["summary"][
+          "system/samples_per_s"]
+      row["time_to_sync_final_accuracy_s"] = reach
+      sync_reach = time_to_reach(base["curve"], target)
+      row["time_to_sync_final_accuracy_vs_sync"] = (
+          None if reach is None or not sync_reach else reach / sync_reach)
+      row["accuracy_minus_sync"] = row["final_accuracy"] - target
+    table[mode] = row
+  line = {"benchmark": "modes", "total_samples": args.total_samples, "seed": args.seed,
+          "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "modes": table}
+  os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+  with open(args.out + ".json", "w", encoding="utf-8") as f:
+    json.dump({**line, "curves": {m: r["curve"] for m, r in results.items()}}, f, indent=1)
+  plot(results, args.out + ".png")
+  print(json.dumps(line))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
