@@ -8,6 +8,7 @@ with that role's error, and Ctrl-C stops every role within seconds and leaves a 
 from __future__ import annotations
 
 import os
+import shutil
 
 import jax
 
@@ -29,6 +30,9 @@ class RoleFailed(RuntimeError):
 
 def make_channel(parts: Parts, run_dir):
   if parts.config.sync_backend == "store":
+    # The store is transport, not a checkpoint: versions left by an earlier (resumed) run
+    # would be newer than the restored learner, so they are cleared.
+    shutil.rmtree(os.path.join(run_dir, "weights"), ignore_errors=True)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                             parts.state.params)
     return OrbaxStoreChannel(os.path.join(run_dir, "weights"), abstract, parts.logical_axes)

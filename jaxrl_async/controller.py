@@ -21,7 +21,7 @@ from jaxrl_async import sharding
 from jaxrl_async.checkpoint import RunCheckpointer
 from jaxrl_async.config import RunConfig
 from jaxrl_async.learner import step as step_lib
-from jaxrl_async.learner.batching import collate
+from jaxrl_async.learner.batching import bucket_length, collate, longest_sequence
 from jaxrl_async.learner.sft import cached_base_policy
 from jaxrl_async.metrics import JsonlWriter, RoleTimer, reduce_metrics, staleness_metrics, sum_pairs
 from jaxrl_async.model import get_config, param_logical_axes, split_model, init_model
@@ -51,6 +51,7 @@ class Parts:
   eval_problems: list
   prompt_iterator: Any
   rewards: RewardPool
+  ref_params: Any = None  # the frozen base policy, for the KL penalty (kl_coef > 0)
 
   def new_batcher(self) -> ContinuousBatcher:
     return ContinuousBatcher(self.engine, eos_id=self.task.tokenizer.eos_id,
@@ -90,7 +91,8 @@ def build(config: RunConfig, *, log=print) -> Parts:
                logical_axes=logical_axes, mesh=mesh, state=state, update=update,
                logprobs=step_lib.make_logprob_fn(graphdef, config.learner.temperature),
                engine=engine, eval_problems=task.eval_set(config.eval_size),
-               prompt_iterator=prompt_iterator, rewards=rewards)
+               prompt_iterator=prompt_iterator, rewards=rewards,
+               ref_params=copy_params(state.params) if config.learner.needs_reference else None)
 
 
 def _mesh_size(shape: sharding.MeshShape) -> int:
@@ -123,12 +125,14 @@ def learner_update(parts: Parts, state, groups, window_params, version: int,
                    local_update: int) -> tuple[Any, dict]:
   """One optimizer step on `groups`; the anchor follows `old_logprob_source`."""
   cfg = parts.config
-  batch = step_lib.shard_batch(collate(groups, parts.seq_len), parts.mesh)
+  seq_len = bucket_length(longest_sequence(groups), parts.seq_len)
+  batch = step_lib.shard_batch(collate(groups, seq_len), parts.mesh)
   anchor = (parts.logprobs(window_params, batch.tokens) if cfg.learner.needs_recompute
             else batch.behaviour_logprobs)
+  ref = None if parts.ref_params is None else parts.logprobs(parts.ref_params, batch.tokens)
   current_version = version + local_update / cfg.trigger_parameter_sync_step
   state, metrics = parts.update(state, batch, anchor, np.float32(version),
-                                np.float32(current_version))
+                                np.float32(current_version), ref)
   return state, metrics
 
 

@@ -51,33 +51,37 @@ def test_busy_and_idle_ratios_are_exact():
 def test_overlapping_intervals_of_one_role_from_two_threads_count_once():
   clock = FakeClock()
   timer = metrics.RoleTimer(clock=clock)
-  first_in, second_in, first_may_leave, second_may_leave = (threading.Event() for _ in range(4))
-  first_out = threading.Event()
+  entered = [threading.Event(), threading.Event()]
+  may_leave = [threading.Event(), threading.Event()]
+  left = [threading.Event(), threading.Event()]
 
-  def worker(entered, may_leave, left=None):
+  def worker(i):
     with timer.busy("reward"):
-      entered.set()
-      assert may_leave.wait(timeout=5)
-    if left is not None:
-      left.set()
+      entered[i].set()
+      may_leave[i].wait(timeout=10)
+    left[i].set()
 
-  # reward busy [0, 4] on one thread and [1, 6] on another: the union is 6 s, not 9 s.
-  a = threading.Thread(target=worker, args=(first_in, first_may_leave, first_out), name="reward-a")
-  b = threading.Thread(target=worker, args=(second_in, second_may_leave), name="reward-b")
-  a.start()
-  assert first_in.wait(timeout=5)
-  clock.advance(1.0)
-  b.start()
-  assert second_in.wait(timeout=5)
-  clock.advance(3.0)
-  first_may_leave.set()
-  assert first_out.wait(timeout=5)
-  assert timer.busy_s("reward") == 4.0  # still open on thread b: counted up to now
-  clock.advance(2.0)
-  second_may_leave.set()
-  a.join(timeout=5)
-  b.join(timeout=5)
-  assert not a.is_alive() and not b.is_alive()
+  threads = [threading.Thread(target=worker, args=(i,), name=f"reward-{i}") for i in range(2)]
+  try:
+    # reward busy over [0, 4] on one thread and [1, 6] on another: the union is 6 s, not 9 s.
+    threads[0].start()
+    assert entered[0].wait(timeout=5)
+    clock.advance(1.0)
+    threads[1].start()
+    assert entered[1].wait(timeout=5)
+    clock.advance(3.0)
+    may_leave[0].set()
+    assert left[0].wait(timeout=5)
+    assert timer.busy_s("reward") == 4.0  # still open on the other thread: counted up to now
+    clock.advance(2.0)
+    may_leave[1].set()
+    assert left[1].wait(timeout=5)
+  finally:
+    for event in may_leave:
+      event.set()
+    for thread in threads:
+      thread.join(timeout=5)
+  assert not any(thread.is_alive() for thread in threads)
   clock.advance(4.0)
   assert timer.busy_s("reward") == 6.0
   assert timer.summary()["reward/idle_ratio"] == pytest.approx(0.4)

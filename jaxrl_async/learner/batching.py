@@ -30,6 +30,24 @@ class TrainBatch:
     return self.tokens.shape[0]
 
 
+def bucket_length(length: int, max_length: int, smallest: int = 16) -> int:
+  """Smallest power-of-two multiple of `smallest` >= length, capped at max_length.
+
+  Padding every batch to the longest possible sequence wastes most of the update on padding
+  when lengths have a long tail; a few buckets keep the number of compiled shapes small.
+  """
+  if length > max_length:
+    raise ValueError(f"sequence of {length} tokens exceeds the maximum {max_length}")
+  size = smallest
+  while size < length:
+    size *= 2
+  return min(size, max_length)
+
+
+def longest_sequence(groups: Sequence[Sequence[Sample]]) -> int:
+  return max(len(s.prompt_tokens) + s.num_response_tokens for group in groups for s in group)
+
+
 def collate(groups: Sequence[Sequence[Sample]], seq_len: int, pad_id: int = 0) -> TrainBatch:
   """groups: G lists of K samples (complete GRPO groups) -> a TrainBatch of B = G*K rows."""
   if not groups:

@@ -14,8 +14,9 @@ from collections.abc import Callable
 
 import jax
 
-from jaxrl_async.buffer import BufferClosed, BufferTimeout, VersionedBuffer
+from jaxrl_async.buffer import BufferTimeout, VersionedBuffer
 from jaxrl_async.metrics import RoleTimer, staleness_metrics, sum_pairs
+from jaxrl_async.roles import RoleThread
 from jaxrl_async.sync.channel import WeightChannel
 
 
@@ -38,7 +39,7 @@ def check_staleness(groups, learner_version: int, *, on_policy: bool,
   return stats
 
 
-class LearnerRole:
+class LearnerRole(RoleThread):
   """Runs in its own thread; `update_fn(state, groups, window_params, version, local)`."""
 
   def __init__(self, *, state, buffer: VersionedBuffer, channel: WeightChannel, timer: RoleTimer,
@@ -47,6 +48,7 @@ class LearnerRole:
                on_policy: bool, max_version_gap: int | None, needs_window_params: bool,
                on_version: Callable[[int, object, list, dict, dict], None],
                debug_checks: bool = True, poll_s: float = 0.05):
+    super().__init__("learner")
     self.state = state
     self.buffer = buffer
     self.channel = channel
@@ -64,25 +66,7 @@ class LearnerRole:
     self.debug_checks = debug_checks
     self.poll_s = poll_s
     self.wait_s = 0.0  # time blocked on the buffer
-    self.error: BaseException | None = None
     self.done = threading.Event()
-    self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._run, name="learner", daemon=True)
-
-  def start(self) -> None:
-    self._thread.start()
-
-  def stop(self) -> None:
-    self._stop.set()
-
-  def join(self, timeout: float) -> None:
-    self._thread.join(timeout)
-    if self._thread.is_alive():
-      raise TimeoutError(f"learner did not stop within {timeout} s")
-
-  @property
-  def alive(self) -> bool:
-    return self._thread.is_alive()
 
   def _get_groups(self):
     began = time.perf_counter()
@@ -97,34 +81,30 @@ class LearnerRole:
     finally:
       self.wait_s += time.perf_counter() - began
 
-  def _run(self) -> None:
-    try:
-      if self.channel.latest_version() < self.version:
-        with self.timer.busy("sync"):
-          self.channel.publish(self.version, self.state.params)
-      while self.version < self.num_versions and not self._stop.is_set():
-        window_params = self.copy_params(self.state.params) if self.needs_window_params else None
-        consumed, accumulated, staleness = [], {}, []
-        for local in range(self.trigger):
-          groups = self._get_groups()
-          if groups is None:
-            return
-          if self.debug_checks:
-            staleness.append(check_staleness(groups, self.version, on_policy=self.on_policy,
-                                             max_version_gap=self.max_version_gap))
-          with self.timer.busy("learner"):
-            self.state, metrics = self.update_fn(self.state, groups, window_params,
-                                                 self.version, local)
-            accumulated = sum_pairs(accumulated, jax.device_get(metrics))
-          consumed.extend(groups)
-        self.version += 1
-        with self.timer.busy("sync"):
-          self.channel.publish(self.version, self.state.params)
-        self.on_version(self.version, self.state, consumed, accumulated,
-                        staleness_metrics(consumed, self.version - 1))
-    except BufferClosed:
-      pass
-    except BaseException as error:
-      self.error = error
-    finally:
-      self.done.set()
+  def finish(self) -> None:
+    self.done.set()
+
+  def run(self) -> None:
+    if self.channel.latest_version() < self.version:
+      with self.timer.busy("sync"):
+        self.channel.publish(self.version, self.state.params)
+    while self.version < self.num_versions and not self._stop.is_set():
+      window_params = self.copy_params(self.state.params) if self.needs_window_params else None
+      consumed, accumulated = [], {}
+      for local in range(self.trigger):
+        groups = self._get_groups()
+        if groups is None:
+          return
+        if self.debug_checks:
+          check_staleness(groups, self.version, on_policy=self.on_policy,
+                          max_version_gap=self.max_version_gap)
+        with self.timer.busy("learner"):
+          self.state, metrics = self.update_fn(self.state, groups, window_params,
+                                               self.version, local)
+          accumulated = sum_pairs(accumulated, jax.device_get(metrics))
+        consumed.extend(groups)
+      self.version += 1
+      with self.timer.busy("sync"):
+        self.channel.publish(self.version, self.state.params)
+      self.on_version(self.version, self.state, consumed, accumulated,
+                      staleness_metrics(consumed, self.version - 1))

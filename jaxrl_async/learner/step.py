@@ -68,6 +68,8 @@ class LearnerConfig:
           f"proximal_logprob must be one of {PROXIMAL_SOURCES}, got {self.proximal_logprob!r}")
     if self.agg_mode not in AGG_MODES:
       raise ValueError(f"agg_mode must be one of {AGG_MODES}, got {self.agg_mode!r}")
+    if self.kl_kind not in losses.KL_KINDS:
+      raise ValueError(f"kl_kind must be one of {losses.KL_KINDS}, got {self.kl_kind!r}")
     if self.kl_coef < 0 or self.entropy_coef < 0:
       raise ValueError(f"kl_coef and entropy_coef must be >= 0, got {self.kl_coef}, "
                        f"{self.entropy_coef}")
@@ -75,6 +77,10 @@ class LearnerConfig:
   @property
   def old_logprob_source(self) -> str:
     return "rollout" if self.use_rollout_log_probs else self.proximal_logprob
+
+  @property
+  def needs_reference(self) -> bool:
+    return self.kl_coef > 0
 
   @property
   def needs_recompute(self) -> bool:
@@ -98,7 +104,9 @@ class TrainState:
 def init_train_state(params, tx: optax.GradientTransformation, mesh: Mesh, logical_axes) -> TrainState:
   """Place params on the learner mesh by their logical axes and build the optimizer state there."""
   param_sh = sharding.param_shardings(logical_axes, params, mesh)
-  params = jax.device_put(params, param_sh, may_alias=False)  # the state is donated
+  # An explicit copy: the state is donated at every update, and device_put may alias the
+  # caller's buffers (replicated leaves) even with may_alias=False.
+  params = jax.device_put(jax.tree.map(jnp.copy, params), param_sh)
   # Optimizer moments take their parameter's sharding, everything else (counts) is replicated;
   # explicit NamedShardings everywhere, so the jitted update sees the same shardings on every call.
   opt_sh = optax.tree_map_params(tx, lambda _, sh: sh, jax.eval_shape(tx.init, params), param_sh,
@@ -143,15 +151,17 @@ def _loss_fn(params, graphdef, config: LearnerConfig, batch: TrainBatch, anchor_
 
 
 def make_update_fn(graphdef, config: LearnerConfig, group_size: int, state_sh):
-  """Build the jitted `update(state, batch, anchor_logp, proximal_version, current_version)`.
+  """Build the jitted `update(state, batch, anchor_logp, proximal_version, current_version,
+  ref_logp)`.
 
   anchor_logp: [B, T] recomputed proximal logprobs ('recompute'), ignored otherwise.
+  ref_logp: [B, T] reference-policy logprobs for the KL penalty (kl_coef > 0), else None.
   proximal_version / current_version: float scalars for 'loglinear' (versions may be
   fractional: version + local updates / trigger_parameter_sync_step).
   """
 
   def update(state: TrainState, batch: TrainBatch, anchor_logp, proximal_version,
-             current_version):
+             current_version, ref_logp=None):
     rewards = batch.rewards.reshape(-1, group_size)
     adv = advantages_lib.group_advantages(rewards, normalize_std=config.normalize_std).reshape(-1)
 
@@ -161,6 +171,8 @@ def make_update_fn(graphdef, config: LearnerConfig, group_size: int, state_sh):
       token_adv = adv[:, None] * mask
       total, metrics = losses.policy_loss(
           logp, jax.lax.stop_gradient(anchor), token_adv, mask, behaviour_logp=behaviour_arg,
+          ref_logp=None if ref_logp is None else ref_logp[:, 1:], kl_coef=config.kl_coef,
+          kl_kind=config.kl_kind,
           entropy=entropy, entropy_coef=config.entropy_coef, clip_low=config.clip_low,
           clip_high=config.clip_high, dual_clip=config.dual_clip, is_cap=config.is_cap,
           is_cap_mode=config.is_cap_mode, agg_mode=config.agg_mode)

@@ -58,7 +58,7 @@ class RMSNorm(nnx.Module):
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (normed * self.scale.value).astype(x.dtype)
+    return (normed * self.scale[...]).astype(x.dtype)
 
 
 def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -94,12 +94,12 @@ class Attention(nnx.Module):
     """x: [B, T, D]; positions: [B, T]; cache_kv: (k, v) each [B, S, KV, Dh] or None."""
     cfg = self.config
     dtype = x.dtype
-    q = jnp.einsum("btd,dhk->bthk", x, self.q.value.astype(dtype))
-    k = jnp.einsum("btd,dhk->bthk", x, self.k.value.astype(dtype))
-    v = jnp.einsum("btd,dhk->bthk", x, self.v.value.astype(dtype))
+    q = jnp.einsum("btd,dhk->bthk", x, self.q[...].astype(dtype))
+    k = jnp.einsum("btd,dhk->bthk", x, self.k[...].astype(dtype))
+    v = jnp.einsum("btd,dhk->bthk", x, self.v[...].astype(dtype))
     if cfg.qkv_bias:
-      q, k, v = (q + self.q_bias.value.astype(dtype), k + self.k_bias.value.astype(dtype),
-                 v + self.v_bias.value.astype(dtype))
+      q, k, v = (q + self.q_bias[...].astype(dtype), k + self.k_bias[...].astype(dtype),
+                 v + self.v_bias[...].astype(dtype))
     q = rotary_embedding(q, positions, cfg.rope_theta)
     k = rotary_embedding(k, positions, cfg.rope_theta)
 
@@ -125,7 +125,7 @@ class Attention(nnx.Module):
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, values.astype(dtype))
     out = out.reshape(batch, length, heads, head_dim)
-    return jnp.einsum("bthk,hkd->btd", out, self.o.value.astype(dtype)), new_cache
+    return jnp.einsum("bthk,hkd->btd", out, self.o[...].astype(dtype)), new_cache
 
 
 class MLP(nnx.Module):
@@ -139,8 +139,8 @@ class MLP(nnx.Module):
 
   def __call__(self, x):
     dtype = x.dtype
-    hidden = jax.nn.silu(x @ self.gate.value.astype(dtype)) * (x @ self.up.value.astype(dtype))
-    return hidden @ self.down.value.astype(dtype)
+    hidden = jax.nn.silu(x @ self.gate[...].astype(dtype)) * (x @ self.up[...].astype(dtype))
+    return hidden @ self.down[...].astype(dtype)
 
 
 class Block(nnx.Module):
@@ -177,7 +177,7 @@ class Decoder(nnx.Module):
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     dtype = jnp.dtype(self.config.dtype)
-    x = jnp.take(self.embed.value, tokens, axis=0).astype(dtype)
+    x = jnp.take(self.embed[...], tokens, axis=0).astype(dtype)
     new_keys, new_values = [], []
     for i, block in enumerate(self.blocks):
       layer_cache = None if cache is None else (cache.keys[i], cache.values[i])
@@ -186,7 +186,7 @@ class Decoder(nnx.Module):
         new_keys.append(layer_new[0])
         new_values.append(layer_new[1])
     x = self.final_norm(x)
-    head = self.embed.value.T if self.config.tie_embeddings else self.lm_head.value
+    head = self.embed[...].T if self.config.tie_embeddings else self.lm_head[...]
     logits = jnp.einsum("btd,dv->btv", x.astype(jnp.float32), head.astype(jnp.float32))
     new_cache = None if cache is None else KVCache(tuple(new_keys), tuple(new_values))
     return logits, new_cache

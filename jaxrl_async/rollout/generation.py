@@ -92,6 +92,14 @@ class ContinuousBatcher:
     if active and partial_strategy is None:
       raise RuntimeError(
           f"{len(active)} samples in flight: drain them or pass a partial_strategy")
+    if partial_strategy == "reprefill":  # check before changing anything
+      longest = max((len(self._slots[i].request.sample.prompt_tokens) + len(self._slots[i].tokens)
+                     for i in active), default=0)
+      if longest > self.engine.max_prefill_length:
+        raise ValueError(
+            f"'reprefill' needs prompt + partial response ({longest} tokens) <= "
+            f"max_prefill_length={self.engine.max_prefill_length}; raise max_prefill_length to "
+            "the cache length or use 'keep_kv'")
     self.params = self.engine.load_params(params)
     self.version = int(version)
     for i in active:
@@ -103,7 +111,12 @@ class ContinuousBatcher:
 
   def submit(self, requests) -> None:
     for request in requests:
-      total = len(request.sample.prompt_tokens) + self.max_response_len
+      prompt_len = len(request.sample.prompt_tokens)
+      if prompt_len > self.engine.max_prefill_length:
+        raise ValueError(
+            f"prompt of {prompt_len} tokens exceeds max_prefill_length="
+            f"{self.engine.max_prefill_length}")
+      total = prompt_len + self.max_response_len
       if total > self.engine.cache_length:
         raise ValueError(
             f"prompt of {len(request.sample.prompt_tokens)} tokens + max_response_len="

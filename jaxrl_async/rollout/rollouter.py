@@ -21,19 +21,21 @@ from typing import Any
 
 from jaxrl_async.buffer import BufferClosed, BufferTimeout, VersionedBuffer
 from jaxrl_async.metrics import RoleTimer
+from jaxrl_async.roles import RoleThread
 from jaxrl_async.rollout.generation import ContinuousBatcher
 from jaxrl_async.rollout.rewards import RewardPool
 from jaxrl_async.sync.channel import WeightChannel
 from jaxrl_async.tasks.base import Problem
 
 
-class Rollouter:
+class Rollouter(RoleThread):
 
   def __init__(self, *, batcher: ContinuousBatcher, prompts, rewards: RewardPool,
                buffer: VersionedBuffer, channel: WeightChannel, timer: RoleTimer,
                make_requests, group_size: int, partial_rollout: bool, partial_strategy: str,
                next_group_id: int = 0, reissue: list[dict] | None = None,
                put_timeout_s: float = 60.0, poll_s: float = 0.02):
+    super().__init__("rollouter")
     self.batcher = batcher
     self.prompts = prompts
     self.rewards = rewards
@@ -51,34 +53,16 @@ class Rollouter:
     self._reissue = list(reissue or [])
     self._inflight: dict[int, dict[str, Any]] = {}  # group id -> problem + missing members
     self._lock = threading.Lock()
-    self._stop = threading.Event()
     # Pause handshake, one condition for both flags so a pause right after a resume is safe.
     self._pause_cv = threading.Condition()
     self._pause_requested = False
     self._paused = False
     self._rewarding = 0  # samples in the reward pool
     self._rewarding_cv = threading.Condition(self._lock)
-    self.error: BaseException | None = None
     self.counts = {"interrupted": 0, "swaps": 0, "shutdown": 0, "groups_started": 0}
     self._draining = False
-    self._thread = threading.Thread(target=self._run, name="rollouter", daemon=True)
 
-  # ---- lifecycle -----------------------------------------------------------------------------
-  def start(self) -> None:
-    self._thread.start()
-
-  def stop(self) -> None:
-    self._stop.set()
-
-  def join(self, timeout: float) -> None:
-    self._thread.join(timeout)
-    if self._thread.is_alive():
-      raise TimeoutError(f"rollouter did not stop within {timeout} s")
-
-  @property
-  def alive(self) -> bool:
-    return self._thread.is_alive()
-
+  # ---- pause / snapshot (for checkpoints and evaluation) -------------------------------------
   def pause(self, timeout: float = 60.0) -> None:
     """Stop at a step boundary and wait until no sample is in the reward pool."""
     with self._pause_cv:
@@ -122,29 +106,25 @@ class Rollouter:
     return {"next_group_id": self.next_group_id, "inflight": inflight + self._reissue}
 
   # ---- the loop ------------------------------------------------------------------------------
-  def _run(self) -> None:
+  def run(self) -> None:
+    self._wait_for_first_weights()
+    while not self._stop.is_set():
+      self._honor_pause()
+      self._maybe_swap()
+      self._admit()
+      if self.batcher.num_active or (self.batcher.num_pending and not self._draining):
+        with self.timer.busy("rollout"):
+          finished = self.batcher.step(admit=not self._draining)
+        for sample in finished:
+          self._to_reward(sample)
+      else:
+        self._wait_for_work()
+
+  def finish(self) -> None:
     try:
-      self._wait_for_first_weights()
-      while not self._stop.is_set():
-        self._honor_pause()
-        self._maybe_swap()
-        self._admit()
-        if self.batcher.num_active or (self.batcher.num_pending and not self._draining):
-          with self.timer.busy("rollout"):
-            finished = self.batcher.step(admit=not self._draining)
-          for sample in finished:
-            self._to_reward(sample)
-        else:
-          self._wait_for_work()
-    except BufferClosed:
-      pass  # shutdown
-    except BaseException as error:  # reaches the controller with the role's name
-      self.error = error
+      self._shutdown_accounting()
     finally:
-      try:
-        self._shutdown_accounting()
-      finally:
-        self._mark_stopped()
+      self._mark_stopped()
 
   def _wait_for_first_weights(self) -> None:
     while not self._stop.is_set():

@@ -49,6 +49,22 @@ def test_gqa_parameter_and_cache_shapes(tiny):
   assert KVCache.zeros(CONFIG, batch=1).length == CONFIG.max_seq_len
 
 
+def test_gqa_equals_multi_head_attention_with_repeated_kv_heads(tiny):
+  """Query head h reads kv head h // (n_heads / n_kv_heads): repeating each kv head that many
+  times gives a multi-head model with the same logits."""
+  graphdef, params, _ = tiny
+  groups = CONFIG.n_heads // CONFIG.n_kv_heads
+  mha_graphdef, _, _ = abstract_params(get_config("tiny", n_kv_heads=CONFIG.n_heads))
+  mha_params = jax.tree.map(lambda x: x, params)
+  for block in mha_params["blocks"].values():
+    for name in ("k", "v"):
+      block["attn"][name] = jnp.repeat(block["attn"][name], groups, axis=1)
+  tokens = _tokens(2, 8, seed=12)
+  gqa, _ = _jit_apply(graphdef)(params, tokens)
+  mha, _ = jax.jit(functools.partial(apply, mha_graphdef))(mha_params, tokens)
+  np.testing.assert_allclose(np.asarray(mha), np.asarray(gqa), atol=1e-5)
+
+
 def test_forward_shapes_and_dtype(tiny):
   graphdef, params, _ = tiny
   logits, cache = _jit_apply(graphdef)(params, _tokens(2, 8))

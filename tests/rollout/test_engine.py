@@ -88,8 +88,9 @@ def test_learner_logprobs_use_the_temperature(model, engines):
   graphdef, params, _ = model
   out = decode(engines(1.0, 1), params, {0: (PROMPTS[0], sample_key(0, 0, 0))}, 6)
   tokens = jnp.asarray(np.concatenate([PROMPTS[0], out[0][0]])[None])
-  at_1, logits = sequence_logprobs(graphdef, params, tokens, 1.0)
-  at_07, _ = sequence_logprobs(graphdef, params, tokens, 0.7)
+  logprobs = jax.jit(sequence_logprobs, static_argnums=(0, 3))
+  at_1, logits = logprobs(graphdef, params, tokens, 1.0)
+  at_07, _ = logprobs(graphdef, params, tokens, 0.7)
   assert np.all(np.asarray(at_1[:, 0]) == 0.0)
   # Temperature-0.7 logprobs, by hand from the logits.
   scaled = np.asarray(logits, np.float64) / 0.7

@@ -1,7 +1,6 @@
 """Tests for jaxrl_async.rollout.generation (and evaluate): continuous batching == solo decoding,
 weight swaps without recompiles, partial rollouts, input errors."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -45,7 +44,7 @@ def _prompt(length, salt=0):
 
 
 def make_requests(prompt_lengths=(3, 9, 5, 14, 2, 7, 12, 4, 6, 16, 10, 8, 3),
-                  group_size=1, partial=None):
+                  group_size=1):
   """One GRPO group per prompt length; members of a group share one prompt array."""
   requests = []
   for group_id, length in enumerate(prompt_lengths):
@@ -325,18 +324,12 @@ def short_prefill_engine(model):
   return Engine(model[0], CONFIG, max_concurrent_decodes=2, max_prefill_length=8)
 
 
-@pytest.mark.xfail(strict=True, reason="ContinuousBatcher.submit checks prompts against the cache "
-                   "length only, not engine.max_prefill_length: the prompt is accepted and the "
-                   "next step() raises in Engine.pad_to_bucket, losing the request")
 def test_prompt_longer_than_max_prefill_length_is_rejected_at_submit(short_prefill_engine):
   batcher = ContinuousBatcher(short_prefill_engine, eos_id=EOS, max_response_len=MAX_RESPONSE)
   with pytest.raises(ValueError, match="max_prefill_length"):
     batcher.submit(make_requests((12,)))  # 12 + 10 <= 32 fits the cache, 12 > 8 does not
 
 
-@pytest.mark.xfail(strict=True, reason="set_params(partial_strategy='reprefill') re-prefills "
-                   "prompt + partial response through Engine.pad_to_bucket, which raises once "
-                   "that exceeds max_prefill_length (here 6 + 4 > 8) though it fits the cache")
 def test_reprefill_of_a_partial_longer_than_max_prefill_length(model, short_prefill_engine):
   _, params, new_params = model
   batcher = ContinuousBatcher(short_prefill_engine, eos_id=NEVER, max_response_len=MAX_RESPONSE)
@@ -344,10 +337,13 @@ def test_reprefill_of_a_partial_longer_than_max_prefill_length(model, short_pref
   batcher.submit(make_requests((6,)))
   for _ in range(SWAP_AT):
     batcher.step()
-  batcher.set_params(new_params, 1, partial_strategy="reprefill")
+  # 6 + SWAP_AT tokens exceed the prefill limit of 8: a clear error, and nothing changed.
+  with pytest.raises(ValueError, match="'reprefill' needs prompt \\+ partial response"):
+    batcher.set_params(new_params, 1, partial_strategy="reprefill")
+  assert batcher.version == 0 and batcher.num_active == 1
   [sample] = batcher.run_to_completion([])
-  np.testing.assert_array_equal(sample.token_versions,
-                                [0] * SWAP_AT + [1] * (MAX_RESPONSE - SWAP_AT))
+  assert sample.interruptions == 0
+  np.testing.assert_array_equal(sample.token_versions, [0] * MAX_RESPONSE)
 
 
 # ---- evaluate ----------------------------------------------------------------------------------

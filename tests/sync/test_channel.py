@@ -5,7 +5,6 @@ The learner holds its params on devices 0-3 (fsdp=4), the rollout side on device
 """
 
 import math
-import os
 import threading
 
 import jax
@@ -171,6 +170,17 @@ def test_store_other_channel_fetches_with_its_own_shardings(tiny, meshes, store)
   assert_equal_trees(fetched, host)
   assert_on_rollout(fetched, axes, rollout_mesh, learner_mesh)
 
+
+
+def test_store_latest_version_ignores_incomplete_saves(tiny, meshes, store, tmp_path):
+  host, axes, _ = tiny
+  channel = store()
+  publish_and_wait(channel, 1, on_learner(host, axes, meshes[0]))
+  # What orbax writes while version 2 is still being saved: not a version yet.
+  (tmp_path / "weights" / f"2{ocp.path.step.TMP_DIR_SUFFIX}-1234" / "default").mkdir(parents=True)
+  assert channel.latest_version() == 1
+  assert channel.wait_for_version(1, timeout=0.1) == 1
+  assert channel.fetch()[0] == 1
 
 def test_store_newest_wins_and_max_to_keep(tiny, meshes, store, tmp_path):
   host, axes, _ = tiny

@@ -1,0 +1,53 @@
+"""Every gin file parses into a valid RunConfig and documents its command and expectation."""
+
+import glob
+import os
+
+import gin
+import pytest
+
+from jaxrl_async import config as config_lib
+from launch import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODE_FILES = sorted(glob.glob(os.path.join(ROOT, "gin", "modes", "*.gin")))
+
+
+def test_every_mode_has_a_gin_file():
+  names = {os.path.splitext(os.path.basename(f))[0] for f in MODE_FILES}
+  assert names == set(config_lib.MODES)
+
+
+@pytest.mark.parametrize("path", MODE_FILES, ids=os.path.basename)
+def test_mode_file_builds_its_mode(path):
+  train.load_config([path], [])
+  config = gin.get_configurable(config_lib.RunConfig)()
+  assert config.mode == os.path.splitext(os.path.basename(path))[0]
+  if config.mode in ("sync", "on_policy", "stream_off_policy"):
+    assert config.staleness_threshold == 0
+  else:
+    assert config.staleness_threshold > 0 and config.max_version_gap is not None
+  assert config.partial_rollout == (config.mode == "async_partial")
+  if config.mode == "stream_off_policy":
+    assert config.trigger_parameter_sync_step > 1
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "gin", "**", "*.gin"),
+                                        recursive=True)), ids=os.path.basename)
+def test_gin_file_opens_with_a_comment(path):
+  with open(path, encoding="utf-8") as f:
+    first = f.readline()
+  assert first.startswith("#"), f"{path} must open with a comment (command, time, result)"
+
+
+def test_short_binding_names_are_qualified():
+  train.load_config(["gin/modes/sync.gin"], ["RunConfig.group_size = 4",
+                                             "LearnerConfig.learning_rate = 0.01"])
+  config = gin.get_configurable(config_lib.RunConfig)()
+  assert config.group_size == 4
+  assert config.learner.learning_rate == 0.01
+
+
+def test_default_gin_file_is_an_async_mode():
+  train.load_config([train.DEFAULT_GIN], [])
+  assert gin.get_configurable(config_lib.RunConfig)().mode != "sync"

@@ -1,0 +1,116 @@
+"""launch/train.py and the `jaxrl-async` command: bad settings fail at start with exit code 2 and
+the setting's name; a tiny run writes its operative config and says where its outputs are."""
+
+import os
+import re
+
+import gin
+import pytest
+
+from jaxrl_async import cli
+from jaxrl_async import config as config_lib
+from jaxrl_async.metrics import read_jsonl
+from launch import train
+
+SYNC_GIN = "gin/modes/sync.gin"
+TINY_RUN = (
+    "DigitReverseTask.max_len = 8",
+    "WarmStartConfig.steps = 20",
+    "WarmStartConfig.batch_size = 16",
+    "RunConfig.group_size = 4",
+    "RunConfig.mini_batch_size = 2",
+    "RunConfig.total_samples = 16",
+    "RunConfig.max_concurrent_decodes = 8",
+    "RunConfig.eval_size = 16",
+    "RunConfig.eval_every_versions = 2",
+    "RunConfig.checkpoint_every_versions = 2",
+)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_start_cache(tmp_path_factory):
+  """One warm-start cache per test session (the path is shared by every test module)."""
+  cache = tmp_path_factory.getbasetemp() / "jaxrl_async_cache"
+  cache.mkdir(exist_ok=True)
+  previous = os.environ.get("JAXRL_ASYNC_CACHE")
+  os.environ["JAXRL_ASYNC_CACHE"] = str(cache)
+  yield cache
+  if previous is None:
+    os.environ.pop("JAXRL_ASYNC_CACHE", None)
+  else:
+    os.environ["JAXRL_ASYNC_CACHE"] = previous
+
+
+@pytest.fixture(autouse=True)
+def clean_gin():
+  yield
+  gin.clear_config()
+
+
+def train_args(run_dir, *bindings, gin_file=SYNC_GIN):
+  args = ["--gin_file", gin_file, "--run_dir", str(run_dir), "--no_progress"]
+  for binding in bindings:
+    args += ["--gin_bindings", binding]
+  return args
+
+
+@pytest.mark.parametrize("binding, named", [
+    ("RunConfig.bogus = 1", "bogus"),
+    ("LearnerConfig.learning_rate = -1.0", "learning_rate"),
+    ("RunConfig.group_size = 1", "group_size"),
+    ("RunConfig.cache_length = 10", "cache_length"),
+    ("RunConfig.mode = 'fastest'", "mode"),
+    ("RunConfig.staleness_threshold = -0.5", "staleness_threshold"),
+], ids=["unknown", "learning_rate", "group_size", "cache_length", "mode", "staleness"])
+def test_bad_setting_exits_2_naming_it(tmp_path, capsys, binding, named):
+  run_dir = tmp_path / "run"
+  assert train.main(train_args(run_dir, *TINY_RUN, binding)) == 2
+  err = capsys.readouterr().err
+  assert "configuration error" in err
+  assert re.search(rf"\b{named}\b", err), err
+  assert not run_dir.exists()  # failed before anything was written
+
+
+def test_missing_gin_file_exits_2(tmp_path, capsys):
+  assert train.main(train_args(tmp_path / "run", gin_file="gin/modes/nope.gin")) == 2
+  assert "nope.gin" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_tiny_run_writes_operative_config_and_prints_its_outputs(tmp_path, capsys):
+  run_dir = tmp_path / "run"
+  assert train.main(train_args(run_dir, *TINY_RUN)) == 0
+  out = capsys.readouterr().out
+
+  paths = dict(re.findall(r"^(metrics|checkpoint|summary):\s+(\S+)$", out, re.MULTILINE))
+  assert set(paths) == {"metrics", "checkpoint", "summary"}, out
+  assert paths["metrics"] == os.path.join(os.path.abspath(run_dir), "metrics.jsonl")
+  assert paths["checkpoint"] == os.path.join(os.path.abspath(run_dir), "checkpoints")
+  versions = [r for r in read_jsonl(paths["metrics"]) if "algo/version_gap_max" in r]
+  assert [r["policy_version"] for r in versions] == [1, 2]  # 16 samples / (2 groups x 4)
+  assert os.path.isfile(paths["summary"])
+  assert any(name.isdigit() for name in os.listdir(paths["checkpoint"]))
+
+  # config.gin is the operative config: parsed again it gives the same RunConfig.
+  text = (run_dir / "config.gin").read_text()
+  assert re.search(r"RunConfig\.total_samples = 16$", text, re.MULTILINE), text
+  assert re.search(r"DigitReverseTask\.max_len = 8$", text, re.MULTILINE), text
+  train.load_config([SYNC_GIN], list(TINY_RUN))
+  expected = gin.get_configurable(config_lib.RunConfig)()
+  train.load_config([str(run_dir / "config.gin")], [])
+  reparsed = gin.get_configurable(config_lib.RunConfig)()
+  assert repr(reparsed) == repr(expected)
+  assert reparsed.mode == "sync" and reparsed.total_samples == 16
+
+
+def test_cli_help_and_unknown_command(capsys):
+  assert cli.main(["--help"]) == 0
+  assert "train" in capsys.readouterr().err
+  assert cli.main(["bogus"]) == 2
+  assert cli.main([]) == 2
+
+
+def test_cli_forwards_to_train(tmp_path, capsys):
+  assert cli.main(["train", *train_args(tmp_path / "run", *TINY_RUN, "RunConfig.group_size = 1")
+                   ]) == 2
+  assert "group_size" in capsys.readouterr().err
