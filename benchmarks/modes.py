@@ -19,12 +19,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import gin  # noqa: E402
-
-from jaxrl_async import config as config_lib  # noqa: E402
-from jaxrl_async import controller  # noqa: E402
-from jaxrl_async.metrics import read_jsonl  # noqa: E402
-from launch import train  # noqa: E402
+import gin
+from jaxrl_async import config as config_lib
+from jaxrl_async import controller
+from jaxrl_async.metrics import read_jsonl
+from launch import train
 
 MODES = ("sync", "on_policy", "stream_off_policy", "async_stale", "async_partial")
 
@@ -54,9 +53,9 @@ def time_to_reach(curve, target: float) -> float | None:
 
 
 def plot(results: dict, path: str) -> None:
-  import matplotlib  # noqa: PLC0415
+  import matplotlib
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # noqa: PLC0415
+  import matplotlib.pyplot as plt
   fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
   for mode, result in results.items():
     times, _, accuracy = zip(*result["curve"])

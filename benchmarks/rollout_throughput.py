@@ -200,7 +200,7 @@ def main() -> None:
       "device": str(jax.devices()[0].device_kind),
       "loadavg_1m_start": round(load_start[0], 2),
       "loadavg_1m_end": round(os.getloadavg()[0], 2),
-      "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
   })
   line = json.dumps(record)
   print(line)

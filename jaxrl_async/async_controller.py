@@ -13,11 +13,16 @@ import shutil
 import jax
 
 from jaxrl_async.buffer import VersionedBuffer, admission_budget
-from jaxrl_async.checkpoint import RunCheckpointer
-from jaxrl_async.controller import (Evaluator, Parts, copy_params, learner_update,
-                                    make_group_requests, progress_bar, version_record)
+from jaxrl_async.controller import (
+  Parts,
+  copy_params,
+  learner_update,
+  make_group_requests,
+  progress_bar,
+  run_services,
+  version_record,
+)
 from jaxrl_async.learner.learner import LearnerRole
-from jaxrl_async.metrics import JsonlWriter, RoleTimer
 from jaxrl_async.rollout.rollouter import Rollouter
 from jaxrl_async.sync.channel import DeviceTransferChannel, OrbaxStoreChannel
 
@@ -50,10 +55,7 @@ def make_buffer(parts: Parts) -> VersionedBuffer:
 
 def run_async(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print) -> dict:
   cfg = parts.config
-  timer = RoleTimer()
-  writer = JsonlWriter(os.path.join(run_dir, "metrics.jsonl"))
-  checkpointer = RunCheckpointer(os.path.join(run_dir, "checkpoints"))
-  evaluator = Evaluator(parts)
+  timer, writer, checkpointer, evaluator = run_services(parts, run_dir)
   buffer = make_buffer(parts)
   channel = make_channel(parts, run_dir)
   state, version = parts.state, 0

@@ -14,7 +14,7 @@ def main(argv=None) -> int:
           file=sys.stderr)
     return 0 if argv and argv[0] in ("-h", "--help") else 2
   if argv[0] == "train":
-    from launch import train  # noqa: PLC0415
+    from launch import train
     return train.main(argv[1:])
   return 2
 

@@ -24,7 +24,7 @@ from jaxrl_async.learner import step as step_lib
 from jaxrl_async.learner.batching import bucket_length, collate, longest_sequence
 from jaxrl_async.learner.sft import cached_base_policy
 from jaxrl_async.metrics import JsonlWriter, RoleTimer, reduce_metrics, staleness_metrics, sum_pairs
-from jaxrl_async.model import get_config, param_logical_axes, split_model, init_model
+from jaxrl_async.model import get_config, init_model, param_logical_axes, split_model
 from jaxrl_async.rollout.engine import Engine
 from jaxrl_async.rollout.evaluate import evaluate
 from jaxrl_async.rollout.generation import ContinuousBatcher, GenerationRequest, sample_key
@@ -126,7 +126,8 @@ def learner_update(parts: Parts, state, groups, window_params, version: int,
   """One optimizer step on `groups`; the anchor follows `old_logprob_source`."""
   cfg = parts.config
   seq_len = bucket_length(longest_sequence(groups), parts.seq_len)
-  batch = step_lib.shard_batch(collate(groups, seq_len), parts.mesh)
+  batch = step_lib.shard_batch(collate(groups, seq_len, num_groups=cfg.groups_per_update),
+                               parts.mesh)
   anchor = (parts.logprobs(window_params, batch.tokens) if cfg.learner.needs_recompute
             else batch.behaviour_logprobs)
   ref = None if parts.ref_params is None else parts.logprobs(parts.ref_params, batch.tokens)
@@ -164,7 +165,7 @@ def run_parts(parts: Parts, run_dir: str | os.PathLike, *, resume: bool = False,
   os.makedirs(run_dir, exist_ok=True)
   try:
     if parts.config.is_async:
-      from jaxrl_async.async_controller import run_async  # noqa: PLC0415 (mode-only)
+      from jaxrl_async.async_controller import run_async
       summary = run_async(parts, run_dir, resume=resume, progress=progress, log=log)
     else:
       summary = run_sync(parts, run_dir, resume=resume, progress=progress, log=log)
@@ -176,18 +177,23 @@ def run_parts(parts: Parts, run_dir: str | os.PathLike, *, resume: bool = False,
 
 
 def progress_bar(total: int, initial: int, enabled: bool):
-  from tqdm import tqdm  # noqa: PLC0415
+  from tqdm import tqdm
   return tqdm(total=total, initial=initial, disable=not enabled, unit="version",
               dynamic_ncols=True)
+
+
+def run_services(parts: Parts, run_dir):
+  """What every mode's loop records with: role timer, metrics sink, checkpointer, evaluator."""
+  timer = RoleTimer()
+  parts.rewards.timer = timer  # reward scoring counts as the 'reward' role's busy time
+  return (timer, JsonlWriter(os.path.join(run_dir, "metrics.jsonl")),
+          RunCheckpointer(os.path.join(run_dir, "checkpoints")), Evaluator(parts))
 
 
 def run_sync(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print):
   """The baseline: rollout -> reward -> old logprob -> update -> push weights, in turn."""
   cfg = parts.config
-  timer = RoleTimer()
-  writer = JsonlWriter(os.path.join(run_dir, "metrics.jsonl"))
-  checkpointer = RunCheckpointer(os.path.join(run_dir, "checkpoints"))
-  evaluator = Evaluator(parts)
+  timer, writer, checkpointer, evaluator = run_services(parts, run_dir)
   batcher = parts.new_batcher()
   state = parts.state
   version, next_group, consumed, tokens_consumed, dropped = 0, 0, 0, 0, {}
@@ -202,6 +208,13 @@ def run_sync(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print):
   batcher.set_params(copy_params(state.params), version)
   last_eval: dict[str, float] = {}
   bar = progress_bar(cfg.num_versions, version, progress)
+
+  def save():
+    checkpointer.save(version, state, parts.prompt_iterator, {
+        "policy_version": version, "next_group_id": next_group, "consumed_samples": consumed,
+        "consumed_tokens": tokens_consumed, "dropped": dropped, "wall_s": timer.wall_s()})
+
+  boundary = None
   try:
     while version < cfg.num_versions:
       if version % cfg.eval_every_versions == 0:
@@ -209,6 +222,8 @@ def run_sync(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print):
           last_eval = evaluator(state.params, version)
         writer.write({"policy_version": version, "learner_step": int(state.step),
                       "samples": consumed, "time_s": timer.wall_s(), **last_eval})
+      # Where this version starts: a Ctrl-C before its first update checkpoints this point.
+      boundary = (parts.prompt_iterator.get_state(), next_group, state)
       requests = []
       for _ in range(cfg.groups_per_version):
         requests += make_group_requests(next(parts.prompt_iterator), next_group,
@@ -216,8 +231,7 @@ def run_sync(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print):
         next_group += 1
       with timer.busy("rollout"):
         samples = batcher.run_to_completion(requests)
-      with timer.busy("reward"):
-        samples = parts.rewards.score_all(samples)
+      samples = parts.rewards.score_all(samples)
       groups = _assemble_groups(samples, cfg.group_size, dropped)
       if cfg.debug_checks:
         gap = staleness_metrics(groups, version)["algo/version_gap_max"]
@@ -225,9 +239,10 @@ def run_sync(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print):
       accumulated: dict = {}
       with timer.busy("learner"):
         for local in range(cfg.trigger_parameter_sync_step):
+          # After drops a chunk may be short: it trains as it is (padded with empty rows).
           chunk = groups[local * cfg.groups_per_update:(local + 1) * cfg.groups_per_update]
-          if len(chunk) < cfg.groups_per_update:
-            break  # dropped groups: the sync baseline updates on what it has, never pads
+          if not chunk:
+            break
           state, metrics = learner_update(parts, state, chunk, window_params, version, local)
           accumulated = sum_pairs(accumulated, jax.device_get(metrics))
       consumed += sum(len(g) for g in groups)
@@ -247,14 +262,20 @@ def run_sync(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print):
       bar.update(1)
       if version % cfg.checkpoint_every_versions == 0 or version == cfg.num_versions:
         with timer.excluded():
-          checkpointer.save(version, state, parts.prompt_iterator, {
-              "policy_version": version, "next_group_id": next_group,
-              "consumed_samples": consumed, "consumed_tokens": tokens_consumed,
-              "dropped": dropped, "wall_s": timer.wall_s()})
+          save()
     with timer.excluded():
       last_eval = evaluator(state.params, version)
     writer.write({"policy_version": version, "learner_step": int(state.step),
                   "samples": consumed, "time_s": timer.wall_s(), **last_eval})
+  except KeyboardInterrupt:
+    # Nothing of this version was trained yet (the update donates the old state, so a
+    # deleted boundary state means an update ran): rewind the prompts and save the boundary.
+    if boundary is not None and not _deleted(boundary[2]):
+      parts.prompt_iterator.set_state(boundary[0])
+      next_group, state = boundary[1], boundary[2]
+      save()
+      log(f"interrupted: checkpoint at policy_version {version} in {checkpointer.directory}")
+    raise
   finally:
     bar.close()
     writer.close()
@@ -265,6 +286,10 @@ def run_sync(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print):
           "system/samples_per_s": consumed / max(timer.wall_s(), 1e-9),
           "run_dir": os.path.abspath(run_dir), "checkpoint_dir": checkpointer.directory,
           **{f"queue/dropped/{k}": v for k, v in dropped.items()}}
+
+
+def _deleted(state) -> bool:
+  return any(x.is_deleted() for x in jax.tree.leaves(state.params))
 
 
 def _assemble_groups(samples, group_size: int, dropped: dict) -> list[list[Sample]]:

@@ -35,7 +35,7 @@ class RoleTimer:
   def __init__(self, roles: Iterable[str] = ROLES, clock=time.perf_counter):
     self._clock = clock
     self._lock = threading.Lock()
-    self._busy = {role: 0.0 for role in roles}
+    self._busy = dict.fromkeys(roles, 0.0)
     self._open: dict[str, list[float]] = {role: [] for role in roles}
     self._active_since: dict[str, float] = {}
     self._excluded = 0.0
@@ -140,7 +140,7 @@ class JsonlWriter:
   def __init__(self, path: str | os.PathLike):
     self.path = os.fspath(path)
     os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-    self._file = open(self.path, "a", encoding="utf-8")
+    self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
     self._lock = threading.Lock()
 
   def write(self, record: Mapping) -> None:

@@ -93,7 +93,7 @@ class Sample:
 
   @property
   def num_response_tokens(self) -> int:
-    return int(len(self.response_tokens))
+    return len(self.response_tokens)
 
   @property
   def min_version(self) -> int:
@@ -143,7 +143,7 @@ class Sample:
     }
 
   @classmethod
-  def from_dict(cls, d: dict[str, Any]) -> "Sample":
+  def from_dict(cls, d: dict[str, Any]) -> Sample:
     return cls(**d)
 
 

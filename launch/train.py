@@ -15,7 +15,6 @@ import sys
 import time
 
 import gin
-
 from jaxrl_async import config as config_lib
 from jaxrl_async import controller
 

@@ -3,9 +3,9 @@
 import glob
 import os
 
-import gin
 import pytest
 
+import gin
 from jaxrl_async import config as config_lib
 from launch import train
 

@@ -4,9 +4,9 @@ the setting's name; a tiny run writes its operative config and says where its ou
 import os
 import re
 
-import gin
 import pytest
 
+import gin
 from jaxrl_async import cli
 from jaxrl_async import config as config_lib
 from jaxrl_async.metrics import read_jsonl
@@ -27,18 +27,6 @@ TINY_RUN = (
 )
 
 
-@pytest.fixture(scope="session", autouse=True)
-def warm_start_cache(tmp_path_factory):
-  """One warm-start cache per test session (the path is shared by every test module)."""
-  cache = tmp_path_factory.getbasetemp() / "jaxrl_async_cache"
-  cache.mkdir(exist_ok=True)
-  previous = os.environ.get("JAXRL_ASYNC_CACHE")
-  os.environ["JAXRL_ASYNC_CACHE"] = str(cache)
-  yield cache
-  if previous is None:
-    os.environ.pop("JAXRL_ASYNC_CACHE", None)
-  else:
-    os.environ["JAXRL_ASYNC_CACHE"] = previous
 
 
 @pytest.fixture(autouse=True)

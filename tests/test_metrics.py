@@ -115,19 +115,17 @@ def test_excluded_time_leaves_the_wall_clock():
 def test_busy_time_is_recorded_even_when_the_body_raises():
   clock = FakeClock()
   timer = metrics.RoleTimer(clock=clock)
-  with pytest.raises(RuntimeError):
-    with timer.busy("sync"):
-      clock.advance(1.5)
-      raise RuntimeError("boom")
+  with pytest.raises(RuntimeError), timer.busy("sync"):
+    clock.advance(1.5)
+    raise RuntimeError("boom")
   clock.advance(1.0)
   assert timer.busy_s("sync") == 1.5
 
 
 def test_unknown_role_raises():
   timer = metrics.RoleTimer(roles=("a",), clock=FakeClock())
-  with pytest.raises(KeyError, match="unknown role 'b'"):
-    with timer.busy("b"):
-      pass
+  with pytest.raises(KeyError, match="unknown role 'b'"), timer.busy("b"):
+    pass
   assert set(timer.summary()) == {"system/wall_s", "a/busy_s", "a/idle_ratio"}
 
 

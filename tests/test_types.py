@@ -5,8 +5,14 @@ import json
 import numpy as np
 import pytest
 
-from jaxrl_async.types import (DROP_REASONS, STAGES, FinishReason, PolicyVersion, RewardStatus,
-                               Sample)
+from jaxrl_async.types import (
+  DROP_REASONS,
+  STAGES,
+  FinishReason,
+  PolicyVersion,
+  RewardStatus,
+  Sample,
+)
 
 
 def _sample(versions=(3, 3, 4, 5), **kwargs):

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -32,16 +33,24 @@ def check_drop_reason(reason: str) -> str:
 class SampleAccounting:
   """Counters of samples and groups; not thread-safe (the buffer's lock guards it)."""
 
-  __slots__ = ("put", "consumed", "queued", "dropped", "consumed_groups", "dropped_groups",
-               "unadmitted_groups", "admission_wait_s")
+  __slots__ = (
+    "admission_wait_s",
+    "consumed",
+    "consumed_groups",
+    "dropped",
+    "dropped_groups",
+    "put",
+    "queued",
+    "unadmitted_groups",
+  )
 
   def __init__(self):
     self.put = 0
     self.consumed = 0
     self.queued = 0
-    self.dropped = {reason: 0 for reason in DROP_REASONS}
+    self.dropped = dict.fromkeys(DROP_REASONS, 0)
     self.consumed_groups = 0
-    self.dropped_groups = {reason: 0 for reason in DROP_REASONS}
+    self.dropped_groups = dict.fromkeys(DROP_REASONS, 0)
     self.unadmitted_groups = 0  # groups put without acquire_group_slot
     self.admission_wait_s = 0.0
 
@@ -93,7 +102,7 @@ class SampleAccounting:
 class LatencyStats:
   """Enqueue -> consume latency: running sum and count, and a window of recent values."""
 
-  __slots__ = ("total_s", "count", "recent")
+  __slots__ = ("count", "recent", "total_s")
 
   def __init__(self):
     self.total_s = 0.0

@@ -18,8 +18,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from jaxrl_async.buffer.groups import (PartialGroup, ReadyGroup, decode_sample, encode_sample,
-                                       index_in_group, sample_drop_rank, sample_min_version)
+from jaxrl_async.buffer.groups import (
+  PartialGroup,
+  ReadyGroup,
+  decode_sample,
+  encode_sample,
+  index_in_group,
+  sample_drop_rank,
+  sample_min_version,
+)
 
 if TYPE_CHECKING:
   from jaxrl_async.buffer.versioned_buffer import VersionedBuffer

@@ -18,7 +18,8 @@ JSON-encoded by grain). Both go in one `ocp.args.Composite`, taken between two `
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import grain
 import orbax.checkpoint as ocp

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from jaxrl_async.types import FinishReason, RewardStatus, Sample
 
@@ -64,7 +65,7 @@ def drop_uniform_reward(group: Sequence[Sample]) -> bool:
 class PartialGroup:
   """A group whose members are still arriving; `slots[i]` is member i (index_in_group)."""
 
-  __slots__ = ("group_id", "slots", "count", "admitted", "drop_rank", "min_version")
+  __slots__ = ("admitted", "count", "drop_rank", "group_id", "min_version", "slots")
 
   def __init__(self, group_id: int, group_size: int, admitted: bool):
     self.group_id = group_id
@@ -88,7 +89,7 @@ class PartialGroup:
 class ReadyGroup:
   """A whole group that passed the drop checks and the filter, waiting for the learner."""
 
-  __slots__ = ("samples", "admitted", "min_version")
+  __slots__ = ("admitted", "min_version", "samples")
 
   def __init__(self, samples: list[Sample], admitted: bool, min_version: int | None):
     self.samples = samples

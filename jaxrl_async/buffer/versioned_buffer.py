@@ -33,18 +33,30 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from jaxrl_async.buffer import buffer_state
 from jaxrl_async.buffer.accounting import LatencyStats, SampleAccounting, check_drop_reason
 from jaxrl_async.buffer.admission import AdmissionLedger
-from jaxrl_async.buffer.errors import (BufferClosed, BufferTimeout, check_buffer_config,
-                                       check_timeout, is_int)
-from jaxrl_async.buffer.groups import (GROUP_DROP_PRIORITY, NO_DROP, GroupFilter, PartialGroup,
-                                       ReadyGroup, index_in_group, sample_drop_rank,
-                                       sample_min_version)
+from jaxrl_async.buffer.errors import (
+  BufferClosed,
+  BufferTimeout,
+  check_buffer_config,
+  check_timeout,
+  is_int,
+)
+from jaxrl_async.buffer.groups import (
+  GROUP_DROP_PRIORITY,
+  NO_DROP,
+  GroupFilter,
+  PartialGroup,
+  ReadyGroup,
+  index_in_group,
+  sample_drop_rank,
+  sample_min_version,
+)
 from jaxrl_async.types import DROP_REASONS, Sample
-
 
 # After waking a consumer, the producer gives up its CPU slice so that the consumer takes the GIL
 # now instead of after the interpreter's switch interval (5 ms): this cuts the queue latency
@@ -134,10 +146,10 @@ class VersionedBuffer:
       if arrived == self._group_size:
         members = list(group.slots) if group is not None else [None] * self._group_size
         members[index] = sample
-        if rank == NO_DROP and self._group_filter is not None:
-          # May raise: nothing has been changed yet, so the put simply did not happen.
-          if not self._group_filter(members):
-            rank = -1
+        # The filter may raise: nothing has been changed yet, so the put simply did not happen.
+        if (rank == NO_DROP and self._group_filter is not None
+            and not self._group_filter(members)):
+          rank = -1
       if group is None:
         admitted = self._ledger.start_group()
         if not admitted:

@@ -48,15 +48,23 @@ def longest_sequence(groups: Sequence[Sequence[Sample]]) -> int:
   return max(len(s.prompt_tokens) + s.num_response_tokens for group in groups for s in group)
 
 
-def collate(groups: Sequence[Sequence[Sample]], seq_len: int, pad_id: int = 0) -> TrainBatch:
-  """groups: G lists of K samples (complete GRPO groups) -> a TrainBatch of B = G*K rows."""
+def collate(groups: Sequence[Sequence[Sample]], seq_len: int, pad_id: int = 0,
+            num_groups: int | None = None) -> TrainBatch:
+  """groups: G lists of K samples (complete GRPO groups) -> a TrainBatch of B = G*K rows.
+
+  With `num_groups` > G, empty groups are appended (no response token, reward 0), so a batch
+  short of groups keeps the compiled shape and the empty rows add nothing to the loss.
+  """
   if not groups:
     raise ValueError("collate needs at least one group")
   sizes = {len(group) for group in groups}
   if len(sizes) != 1:
     raise ValueError(f"all groups must have the same size, got sizes {sorted(sizes)}")
+  num_groups = len(groups) if num_groups is None else num_groups
+  if num_groups < len(groups):
+    raise ValueError(f"num_groups={num_groups} is less than the {len(groups)} groups given")
   rows = [sample for group in groups for sample in group]
-  batch = len(rows)
+  batch = num_groups * len(groups[0])
   tokens = np.full((batch, seq_len), pad_id, np.int32)
   response_mask = np.zeros((batch, seq_len), np.float32)
   behaviour = np.zeros((batch, seq_len), np.float32)
@@ -75,11 +83,12 @@ def collate(groups: Sequence[Sequence[Sample]], seq_len: int, pad_id: int = 0) -
     response_mask[b, prompt_len:end] = 1.0
     behaviour[b, prompt_len:end] = sample.behaviour_logprobs
     versions[b, prompt_len:end] = sample.token_versions
-  rewards = np.asarray([sample.reward for sample in rows], np.float32)
+  rewards = np.zeros((batch,), np.float32)
+  rewards[:len(rows)] = [sample.reward for sample in rows]
   if not np.all(np.isfinite(rewards)):
     bad = [sample.uid for sample in rows if not np.isfinite(sample.reward)]
     raise ValueError(f"samples {bad[:5]} have non-finite rewards; drop them before collate")
-  group_index = np.repeat(np.arange(len(groups), dtype=np.int32), len(groups[0]))
+  group_index = np.repeat(np.arange(num_groups, dtype=np.int32), len(groups[0]))
   return TrainBatch(tokens=tokens, response_mask=response_mask, behaviour_logprobs=behaviour,
                     token_versions=versions, rewards=rewards, group_index=group_index)
 

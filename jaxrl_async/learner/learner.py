@@ -34,8 +34,10 @@ def check_staleness(groups, learner_version: int, *, on_policy: bool,
   if max_version_gap is not None and gap > max_version_gap:
     raise StalenessViolation(
         f"consumed a token with version gap {gap} > max_version_gap={max_version_gap}")
-  if min(s.min_version for g in groups for s in g) > learner_version:
-    raise StalenessViolation("consumed a token from a version newer than the learner's")
+  newest = max(s.max_version for g in groups for s in g)
+  if newest > learner_version:
+    raise StalenessViolation(
+        f"consumed a token from version {newest}, newer than the learner's {learner_version}")
   return stats
 
 

@@ -182,6 +182,11 @@ def make_update_fn(graphdef, config: LearnerConfig, group_size: int, state_sh):
     updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = dict(metrics)
+    # algo/kl: KL(old || new) of this update (verl's ppo_kl); the reference-policy KL of the
+    # penalty, when there is one, is algo/ref_kl.
+    if "kl" in metrics:
+      metrics["ref_kl"] = metrics.pop("kl")
+    metrics["kl"] = metrics["approx_kl"]
     metrics["loss"] = total
     metrics["grad_norm"] = optax.global_norm(grads)
     metrics["advantage_abs_mean"] = jnp.mean(jnp.abs(adv))

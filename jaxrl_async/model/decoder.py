@@ -31,7 +31,7 @@ class KVCache:
   values: tuple[jax.Array, ...]
 
   @classmethod
-  def zeros(cls, config: ModelConfig, batch: int, length: int | None = None) -> "KVCache":
+  def zeros(cls, config: ModelConfig, batch: int, length: int | None = None) -> KVCache:
     length = config.max_seq_len if length is None else length
     shape = (batch, length, config.n_kv_heads, config.resolved_head_dim)
     dtype = jnp.dtype(config.dtype)

@@ -22,7 +22,16 @@ def evaluate(batcher: ContinuousBatcher, task, problems, *, seed: int = 0) -> di
                     prompt_tokens=problem.prompt_tokens, meta=dict(problem.meta))
     requests.append(GenerationRequest(sample, sample_key(seed + EVAL_SEED_OFFSET, i, 0)))
   done = batcher.run_to_completion(requests)
-  rewards = np.asarray([task.reward(s.prompt_tokens, s.response_tokens, s.meta) for s in done])
+  rewards, failed = [], 0
+  for sample in done:
+    try:
+      value = float(task.reward(sample.prompt_tokens, sample.response_tokens, sample.meta))
+    except Exception:  # a verifier error on a held-out problem scores 0 and is counted
+      value = float("nan")
+    if not np.isfinite(value):
+      failed, value = failed + 1, 0.0
+    rewards.append(value)
+  rewards = np.asarray(rewards)
   lengths = np.asarray([s.num_response_tokens for s in done])
   return {
       "eval/accuracy": float(np.mean(rewards == 1.0)),
@@ -31,4 +40,5 @@ def evaluate(batcher: ContinuousBatcher, task, problems, *, seed: int = 0) -> di
       "eval/response_len_p50": float(np.percentile(lengths, 50)),
       "eval/response_len_p99": float(np.percentile(lengths, 99)),
       "eval/num_problems": float(len(done)),
+      "eval/reward_failed": float(failed),
   }

@@ -12,6 +12,7 @@ waiting for abandoned calls.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import math
 import threading
 import time
@@ -41,6 +42,10 @@ class RewardPool:
     self._drivers = cf.ThreadPoolExecutor(num_workers, thread_name_prefix="reward-driver")
     self._lock = threading.Lock()
     self.counts = {"ok": 0, "failed": 0, "timeout": 0, "retries": 0}
+    self.timer = None  # a metrics.RoleTimer: scoring counts as the 'reward' role's busy time
+
+  def _busy(self):
+    return self.timer.busy("reward") if self.timer is not None else contextlib.nullcontext()
 
   def _call_once(self, sample: Sample) -> float:
     future = self._calls.submit(self.reward_fn, sample.prompt_tokens, sample.response_tokens,
@@ -49,6 +54,10 @@ class RewardPool:
 
   def score(self, sample: Sample) -> Sample:
     """Score one sample in the calling thread (blocking, bounded by the retries' timeouts)."""
+    with self._busy():
+      return self._score(sample)
+
+  def _score(self, sample: Sample) -> Sample:
     status = RewardStatus.FAILED
     for attempt in range(self.max_retries + 1):
       if attempt:

@@ -1,19 +1,19 @@
 """Prompt sources (grain) and verifiers; the built-in digit-reverse task."""
 
-from jaxrl_async.tasks.base import Problem, SPLITS, Task
+from jaxrl_async.tasks.base import SPLITS, Problem, Task
 from jaxrl_async.tasks.prompts import DEFAULT_EPOCH_SIZE, prompt_dataset
 from jaxrl_async.tasks.reverse import DigitReverseTask, in_eval_split
 from jaxrl_async.tasks.rewards import FlakyReward, RewardFn, accuracy, reverse_reward
 from jaxrl_async.tasks.tokenizer import CharTokenizer
 
 __all__ = [
-    "CharTokenizer",
     "DEFAULT_EPOCH_SIZE",
+    "SPLITS",
+    "CharTokenizer",
     "DigitReverseTask",
     "FlakyReward",
     "Problem",
     "RewardFn",
-    "SPLITS",
     "Task",
     "accuracy",
     "in_eval_split",

@@ -60,7 +60,7 @@ class Problem:
             "meta": json.loads(json.dumps(self.meta))}
 
   @classmethod
-  def from_dict(cls, d: dict[str, Any]) -> "Problem":
+  def from_dict(cls, d: dict[str, Any]) -> Problem:
     return cls(prompt_id=d["prompt_id"], prompt_tokens=d["prompt_tokens"], meta=dict(d["meta"]))
 
 

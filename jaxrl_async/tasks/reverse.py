@@ -23,8 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl_async.tasks import base
-from jaxrl_async.tasks import rewards
+from jaxrl_async.tasks import base, rewards
 from jaxrl_async.tasks.tokenizer import CharTokenizer
 
 _SPLIT_KEY = b"jaxrl-reverse"

@@ -9,7 +9,8 @@ from __future__ import annotations
 import hashlib
 import math
 import threading
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 

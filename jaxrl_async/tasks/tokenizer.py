@@ -9,7 +9,7 @@ Ids never change (checkpoints and tests rely on them):
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 

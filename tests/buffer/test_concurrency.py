@@ -9,10 +9,16 @@ import threading
 import time
 
 import numpy as np
-from hypothesis import HealthCheck, Phase, given, settings, strategies as st
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 
-from jaxrl_async.buffer import (BufferClosed, BufferTimeout, VersionedBuffer, admission_budget,
-                                drop_uniform_reward)
+from jaxrl_async.buffer import (
+  BufferClosed,
+  BufferTimeout,
+  VersionedBuffer,
+  admission_budget,
+  drop_uniform_reward,
+)
 from jaxrl_async.types import DROP_REASONS, Sample
 
 from .factory import expected_drop_reason, make_sample

@@ -8,8 +8,12 @@ import grain
 import orbax.checkpoint as ocp
 import pytest
 
-from jaxrl_async.buffer import (BufferDataset, BufferTimeout, checkpoint_restore_args,
-                                checkpoint_save_args)
+from jaxrl_async.buffer import (
+  BufferDataset,
+  BufferTimeout,
+  checkpoint_restore_args,
+  checkpoint_save_args,
+)
 
 from .factory import make_buffer, make_group, make_sample, put_group
 

@@ -8,12 +8,22 @@ import math
 import numpy as np
 import pytest
 
-from jaxrl_async.buffer import (GROUP_DROP_PRIORITY, BufferTimeout, LATENCY_WINDOW,
-                                drop_uniform_reward)
+from jaxrl_async.buffer import (
+  GROUP_DROP_PRIORITY,
+  LATENCY_WINDOW,
+  BufferTimeout,
+  drop_uniform_reward,
+)
 from jaxrl_async.types import DROP_REASONS
 
-from .factory import (EXPECTED_PRIORITY, expected_drop_reason, make_buffer, make_group,
-                      make_sample, put_group)
+from .factory import (
+  EXPECTED_PRIORITY,
+  expected_drop_reason,
+  make_buffer,
+  make_group,
+  make_sample,
+  put_group,
+)
 
 
 class FakeClock:
@@ -240,7 +250,7 @@ def test_capacity_blocks_unadmitted_puts_then_times_out():
 
 def test_admitted_groups_never_block_on_capacity():
   buffer = make_buffer(group_size=3, groups_per_version=2, staleness_threshold=0.5)
-  for group_id in range(buffer.budget):
+  for _ in range(buffer.budget):
     buffer.acquire_group_slot(1.0)
   for index in range(3):  # interleave all admitted groups member by member
     for group_id in range(buffer.budget):

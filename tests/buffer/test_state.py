@@ -10,9 +10,14 @@ import random
 
 import pytest
 
-from jaxrl_async.buffer import (BufferDataset, BufferTimeout, VersionedBuffer,
-                                drop_uniform_reward, restore_buffer_checkpoint,
-                                save_buffer_checkpoint)
+from jaxrl_async.buffer import (
+  BufferDataset,
+  BufferTimeout,
+  VersionedBuffer,
+  drop_uniform_reward,
+  restore_buffer_checkpoint,
+  save_buffer_checkpoint,
+)
 
 from .factory import make_buffer, make_group, make_sample, put_group
 

@@ -210,11 +210,11 @@ def test_kl_coef_is_applied_or_rejected(model, on_policy_batch):
   except ValueError as error:
     assert "kl_coef" in str(error)
     return
-  assert "kl" in metrics
+  assert "ref_kl" in metrics
 
 
 def test_init_train_state_leaves_the_callers_params_alive(model, sharded_run, mesh8, batches):
-  graphdef, host_params, axes = model
+  _, host_params, axes = model
   _, _, _, update, _ = sharded_run
   params = jax.tree.map(jnp.asarray, host_params)  # device arrays, as a caller would hold them
   state = step_lib.init_train_state(params, update.tx, mesh8, axes)

@@ -7,8 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_async.model import (KVCache, abstract_params, apply, get_config, init_model,
-                               param_logical_axes, split_model)
+from jaxrl_async.model import (
+  KVCache,
+  abstract_params,
+  apply,
+  get_config,
+  init_model,
+  param_logical_axes,
+  split_model,
+)
 from jaxrl_async.model.decoder import rotary_embedding
 
 CONFIG = get_config("tiny")

@@ -80,8 +80,7 @@ def test_train_and_eval_are_disjoint(task, train_problems, eval_problems):
   assert len(short_eval) > 20
   assert all(not in_eval_split(d, task.eval_fraction) for d in train)
   assert all(in_eval_split(d, task.eval_fraction) for d in held_out)
-  long_eval = [p for p in eval_problems if len(p.meta["digits"]) >= short]
-  assert len(held_out) > 0.9 * len(long_eval)  # not a handful of repeated strings
+  assert len(held_out) > 1000  # not a handful of repeated strings
 
 
 def test_split_bucket_is_about_eval_fraction():
@@ -121,7 +120,8 @@ def test_reward(task):
   assert task.reward(problem.prompt_tokens, np.zeros(0, np.int32), problem.meta) == 0.0
 
 
-def test_sft_example(task):
+def test_sft_example():
+  task = DigitReverseTask(0, distractor_prob=0.0)
   for index in range(50):
     tokens, mask = task.sft_example(index)
     problem = task.problem(index)
@@ -133,6 +133,26 @@ def test_sft_example(task):
         f"<bos>{problem.meta['digits']}={problem.meta['digits'][::-1]}<eos>")
     # The masked tokens, read as a response, earn the reward.
     assert task.reward(problem.prompt_tokens, tokens[mask == 1], problem.meta) == 1.0
+
+
+def test_sft_distractor_copies_in_order_at_its_rate():
+  task = DigitReverseTask(0, distractor_prob=0.6)
+  copied = 0
+  for index in range(2000):
+    tokens, mask = task.sft_example(index)
+    digits = task.problem(index).meta["digits"]
+    text = task.tokenizer.decode(tokens)
+    assert text in (f"<bos>{digits}={digits[::-1]}<eos>", f"<bos>{digits}={digits}<eos>")
+    copied += text == f"<bos>{digits}={digits}<eos>" and digits != digits[::-1]
+    assert task.sft_example(index)[0].tolist() == tokens.tolist()  # deterministic by index
+  palindromes = sum(task.problem(i).meta["digits"] == task.problem(i).meta["digits"][::-1]
+                    for i in range(2000))
+  assert 0.55 < copied / (2000 - palindromes) < 0.65
+
+
+def test_distractor_prob_is_validated():
+  with pytest.raises(ValueError, match="distractor_prob"):
+    DigitReverseTask(0, distractor_prob=1.0)
 
 
 def test_sft_batch(task):
