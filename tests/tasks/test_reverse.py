@@ -139,7 +139,7 @@ def test_sft_distractor_copies_in_order_at_its_rate():
   task = DigitReverseTask(0, distractor_prob=0.6)
   copied = 0
   for index in range(2000):
-    tokens, mask = task.sft_example(index)
+    tokens, _ = task.sft_example(index)
     digits = task.problem(index).meta["digits"]
     text = task.tokenizer.decode(tokens)
     assert text in (f"<bos>{digits}={digits[::-1]}<eos>", f"<bos>{digits}={digits}<eos>")
