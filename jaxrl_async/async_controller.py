@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 
 import jax
 
@@ -27,6 +28,9 @@ from jaxrl_async.rollout.rollouter import Rollouter
 from jaxrl_async.sync.channel import DeviceTransferChannel, OrbaxStoreChannel
 
 JOIN_TIMEOUT_S = 30.0
+# Roles hand the GIL to each other around every device call; Python's default 5 ms switch
+# interval makes a role wait that long for it (about +7% samples/s at 0.5 ms, async_stale, CPU).
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 class RoleFailed(RuntimeError):
@@ -54,6 +58,15 @@ def make_buffer(parts: Parts) -> VersionedBuffer:
 
 
 def run_async(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print) -> dict:
+  previous_interval = sys.getswitchinterval()
+  sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+  try:
+    return _run_async(parts, run_dir, resume=resume, progress=progress, log=log)
+  finally:
+    sys.setswitchinterval(previous_interval)
+
+
+def _run_async(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print) -> dict:
   cfg = parts.config
   timer, writer, checkpointer, evaluator = run_services(parts, run_dir)
   buffer = make_buffer(parts)

@@ -27,7 +27,7 @@ from jaxrl_async.metrics import JsonlWriter, RoleTimer, reduce_metrics, stalenes
 from jaxrl_async.model import get_config, init_model, param_logical_axes, split_model
 from jaxrl_async.rollout.engine import Engine
 from jaxrl_async.rollout.evaluate import evaluate
-from jaxrl_async.rollout.generation import ContinuousBatcher, GenerationRequest, sample_key
+from jaxrl_async.rollout.generation import ContinuousBatcher, GenerationRequest, sample_keys
 from jaxrl_async.rollout.rewards import RewardPool
 from jaxrl_async.tasks import prompts as prompts_lib
 from jaxrl_async.tasks.reverse import DigitReverseTask
@@ -106,13 +106,15 @@ def make_group_requests(problem, group_id: int, group_size: int, seed: int, memb
   """One GRPO group: `group_size` samples of one prompt (or the listed members), each with its
   own key, so a re-issued member is generated exactly as it would have been."""
   now = clock()
+  members = list(range(group_size) if members is None else members)
+  keys = sample_keys(seed, group_id, members)
   requests = []
-  for index in (range(group_size) if members is None else members):
+  for index, key in zip(members, keys, strict=True):
     sample = Sample(prompt_id=problem.prompt_id, group_id=group_id, group_size=group_size,
                     prompt_tokens=problem.prompt_tokens,
                     meta={**problem.meta, "index_in_group": index})
     sample.stamp("created", now)
-    requests.append(GenerationRequest(sample, sample_key(seed, group_id, index)))
+    requests.append(GenerationRequest(sample, key))
   return requests
 
 

@@ -86,15 +86,23 @@ class LearnerRole(RoleThread):
   def finish(self) -> None:
     self.done.set()
 
+  def _take_ready_groups(self):
+    """The next update's groups if they are already queued (never blocks)."""
+    try:
+      return self.buffer.get_groups(self.groups_per_update, self.version, timeout=1e-3)
+    except BufferTimeout:
+      return None
+
   def run(self) -> None:
     if self.channel.latest_version() < self.version:
       with self.timer.busy("sync"):
         self.channel.publish(self.version, self.state.params)
+    ready = None  # groups taken for this version before it was published
     while self.version < self.num_versions and not self._stop.is_set():
       window_params = self.copy_params(self.state.params) if self.needs_window_params else None
       consumed, accumulated = [], {}
       for local in range(self.trigger):
-        groups = self._get_groups()
+        groups, ready = (ready, None) if ready is not None else (self._get_groups(), None)
         if groups is None:
           return
         if self.debug_checks:
@@ -106,6 +114,11 @@ class LearnerRole(RoleThread):
           accumulated = sum_pairs(accumulated, jax.device_get(metrics))
         consumed.extend(groups)
       self.version += 1
+      # Groups already queued are taken at the new version before it is announced, so the
+      # rollouter's new admission window does not count them as carried over (they are
+      # consumed, with their gap measured against the new version).
+      if self.version < self.num_versions:
+        ready = self._take_ready_groups()
       with self.timer.busy("sync"):
         self.channel.publish(self.version, self.state.params)
       self.on_version(self.version, self.state, consumed, accumulated,

@@ -41,9 +41,19 @@ class _Slot:
 
 def sample_key(seed: int, group_id: int, index_in_group: int) -> np.ndarray:
   """The key of one sample: a function of (seed, group, member) only, never of the slot."""
-  key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), group_id),
-                           index_in_group)
-  return np.asarray(key, np.uint32)
+  return sample_keys(seed, group_id, [index_in_group])[0]
+
+
+@jax.jit
+def _member_keys(seed, group_id, members):
+  group_key = jax.random.fold_in(jax.random.PRNGKey(seed), group_id)
+  return jax.vmap(lambda member: jax.random.fold_in(group_key, member))(members)
+
+
+def sample_keys(seed: int, group_id: int, members) -> np.ndarray:
+  """`sample_key` for several members of one group in one device call: uint32 [n, 2]."""
+  members = np.asarray(members, np.uint32)
+  return np.asarray(_member_keys(np.uint32(seed), np.uint32(group_id), members), np.uint32)
 
 
 class ContinuousBatcher:
