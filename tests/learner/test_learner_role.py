@@ -290,3 +290,32 @@ def test_a_stale_batch_stops_the_role_with_a_staleness_violation():
     role.join(JOIN_S)
   assert isinstance(role.error, StalenessViolation)
   assert update.calls == [] and published == []  # never trained on the stale batch
+
+
+def test_queued_groups_are_taken_before_the_next_version_is_announced():
+  """A group already queued when version v+1 is ready is taken at v+1 before the announcement,
+  so the rollouter's next admission window does not count it as carried over."""
+  buffer = make_buffer(groups_per_version=1, staleness_threshold=1.0, max_version_gap=1)
+  for group_id in range(2):  # two groups of version 0 queued before the learner starts
+    buffer.acquire_group_slot(timeout=1.0)
+    for sample in make_group(group_id, (0, 0, 0)):
+      buffer.put(sample, timeout=1.0)
+  channel = DeviceTransferChannel(logical_axes=None)
+  consumed_at_publish = []
+  publish = channel.publish
+
+  def recording_publish(version, params):
+    consumed_at_publish.append((version, buffer.counts["consumed"]))
+    publish(version, params)
+
+  channel.publish = recording_publish
+  update = CountingUpdate()
+  role, published = make_role(buffer, channel, update, groups_per_update=1, trigger=1,
+                              num_versions=2, on_policy=False, max_version_gap=1)
+  role.start()
+  role.join(10.0)
+  assert role.error is None
+  assert [(c["version"], c["group_ids"]) for c in update.calls] == [(0, [0]), (1, [1])]
+  # Version 1 was announced after group 1 had been taken (both samples' groups consumed).
+  assert consumed_at_publish == [(0, 0), (1, 2 * GROUP_SIZE), (2, 2 * GROUP_SIZE)]
+  assert [p[0] for p in published] == [1, 2]

@@ -1,6 +1,7 @@
 """Tests for jaxrl_async.rollout.generation (and evaluate): continuous batching == solo decoding,
 weight swaps without recompiles, partial rollouts, input errors."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,7 +10,12 @@ from jaxrl_async.learner.step import make_logprob_fn
 from jaxrl_async.model import get_config, init_model, split_model
 from jaxrl_async.rollout.engine import Engine
 from jaxrl_async.rollout.evaluate import EVAL_SEED_OFFSET, evaluate
-from jaxrl_async.rollout.generation import ContinuousBatcher, GenerationRequest, sample_key
+from jaxrl_async.rollout.generation import (
+  ContinuousBatcher,
+  GenerationRequest,
+  sample_key,
+  sample_keys,
+)
 from jaxrl_async.tasks.base import Problem
 from jaxrl_async.types import Sample
 
@@ -77,6 +83,14 @@ def test_sample_key_is_a_function_of_seed_group_and_member():
   np.testing.assert_array_equal(key, sample_key(0, 3, 1))
   others = [sample_key(1, 3, 1), sample_key(0, 4, 1), sample_key(0, 3, 0)]
   assert all(not np.array_equal(key, other) for other in others)
+
+
+def test_sample_keys_are_fold_ins_of_seed_group_and_member():
+  for seed, group_id in [(0, 0), (5, 123_456), (1_000_003, 255)]:
+    group_key = jax.random.fold_in(jax.random.PRNGKey(seed), group_id)
+    want = np.stack([np.asarray(jax.random.fold_in(group_key, m), np.uint32) for m in (0, 2, 7)])
+    np.testing.assert_array_equal(sample_keys(seed, group_id, [0, 2, 7]), want)
+    np.testing.assert_array_equal(sample_key(seed, group_id, 2), want[1])
 
 
 # ---- continuous batching == solo decoding ------------------------------------------------------
