@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import json
 import math
 import os
 import statistics
@@ -42,6 +41,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from common import emit_json_line
 
 from jaxrl_async.model import apply, get_config, init_model, split_model
 from jaxrl_async.rollout.engine import Engine
@@ -202,11 +202,7 @@ def main() -> None:
       "loadavg_1m_end": round(os.getloadavg()[0], 2),
       "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
   })
-  line = json.dumps(record)
-  print(line)
-  if args.out:
-    with open(args.out, "w") as f:
-      f.write(line + "\n")
+  emit_json_line(record, args.out)
 
 
 if __name__ == "__main__":

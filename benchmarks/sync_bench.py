@@ -24,13 +24,13 @@ if _FLAG not in os.environ.get("XLA_FLAGS", ""):
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from common import emit_json_line  # noqa: E402  (benchmarks/ is on sys.path)
 
 from jaxrl_async import model, sharding  # noqa: E402
 from jaxrl_async.sync import DeviceTransferChannel, OrbaxStoreChannel, tree_bytes  # noqa: E402
@@ -124,11 +124,7 @@ def main() -> None:
   }
   for name in args.presets:
     result.update(bench_preset(name, learner_mesh, rollout_mesh, args.repeats, args.warmup))
-  line = json.dumps(result)
-  print(line)
-  if args.out:
-    with open(args.out, "w") as out:
-      out.write(line + "\n")
+  emit_json_line(result, args.out)
 
 
 if __name__ == "__main__":
