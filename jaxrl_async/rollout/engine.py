@@ -63,6 +63,13 @@ class ResultTokens:
     return self.tokens[slot], self.log_prob[slot]
 
 
+def raw_key(rng) -> np.ndarray:
+  """A PRNG key, typed (jax.random.key) or raw (PRNGKey / uint32 [2]), as uint32 [2]."""
+  if isinstance(rng, jax.Array) and jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+    rng = jax.random.key_data(rng)
+  return np.asarray(rng, np.uint32)
+
+
 def prefill_buckets(max_prefill_length: int, smallest: int = 8) -> tuple[int, ...]:
   buckets, size = [], smallest
   while size < max_prefill_length:
@@ -100,6 +107,7 @@ class Engine:
     self._generate = jax.jit(self._generate_impl, donate_argnums=(1,))
     self._prefill = jax.jit(self._prefill_impl)
     self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
+    self._insert_many = jax.jit(self._insert_many_impl, donate_argnums=(1,))
     # Built by jit so its shardings match the outputs of insert / generate (no recompile).
     self._init_decode_state = jax.jit(self._init_decode_state_impl)
 
@@ -139,7 +147,8 @@ class Engine:
     """padded_tokens: [n] int32 with n a bucket size (see `pad_to_bucket`)."""
     if not 1 <= true_length <= len(padded_tokens):
       raise ValueError(f"true_length={true_length} outside [1, {len(padded_tokens)}]")
-    return self._prefill(params, jnp.asarray(padded_tokens, jnp.int32), jnp.int32(true_length))
+    # numpy arguments: jit converts them in its own dispatch, with no eager device op each.
+    return self._prefill(params, np.asarray(padded_tokens, np.int32), np.int32(true_length))
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, *,
              rng: jax.Array, num_generated: int = 0) -> DecodeState:
@@ -147,7 +156,20 @@ class Engine:
     (its last `num_generated` prefix tokens are response tokens), keeping the key schedule."""
     if not 0 <= slot < self._slots:
       raise ValueError(f"slot {slot} outside [0, {self._slots})")
-    return self._insert(prefix, decode_state, jnp.int32(slot), rng, jnp.int32(num_generated))
+    return self._insert(prefix, decode_state, np.int32(slot), raw_key(rng),
+                        np.int32(num_generated))
+
+  def insert_many(self, prefix: Prefix, decode_state: DecodeState, slots, *,
+                  rngs) -> DecodeState:
+    """`insert` of one prefix into several slots (the members of a GRPO group), each with its
+    own key (rngs: uint32 [n, 2]), in one device call."""
+    slots = np.asarray(slots, np.int32)
+    if slots.ndim != 1 or not len(slots) or slots.min() < 0 or slots.max() >= self._slots:
+      raise ValueError(f"slots must be a non-empty list in [0, {self._slots}), got {slots}")
+    rngs = np.stack([raw_key(rng) for rng in rngs])
+    if rngs.shape != (len(slots), 2):
+      raise ValueError(f"rngs must be uint32 [{len(slots)}, 2], got {rngs.shape}")
+    return self._insert_many(prefix, decode_state, slots, rngs)
 
   def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
     decode_state, (tokens, log_probs) = self._generate(params, decode_state)
@@ -183,10 +205,15 @@ class Engine:
         cache=cache,
         tokens=state.tokens.at[slot].set(prefix.last_token),
         positions=state.positions.at[slot].set(prefix.true_length - 1),
-        keys=state.keys.at[slot].set(jax.random.key_data(rng) if jnp.issubdtype(
-            rng.dtype, jax.dtypes.prng_key) else rng.astype(jnp.uint32)),
+        keys=state.keys.at[slot].set(rng),
         generated=state.generated.at[slot].set(num_generated),
     )
+
+  def _insert_many_impl(self, prefix: Prefix, state: DecodeState, slots, rngs):
+    def body(i, current):
+      return self._insert_impl(prefix, current, slots[i], rngs[i], jnp.int32(0))
+
+    return jax.lax.fori_loop(0, slots.shape[0], body, state)
 
   def _decode_step(self, params, state: DecodeState):
     logits, cache = apply(self.graphdef, params, state.tokens[:, None], state.positions[:, None],

@@ -188,30 +188,36 @@ class ContinuousBatcher:
 
   # ---- internals -----------------------------------------------------------------------------
   def _refill(self) -> None:
-    prefixes = {}
+    """Fill free slots: one prefill per new prompt, one insert call for all its members."""
+    new_prompts = {}  # id(prompt) -> (prefix, slots, keys)
     for i, slot in enumerate(self._slots):
       if slot is not None or not self._pending:
         continue
       request = self._pending.popleft()
-      prompt = request.sample.prompt_tokens
-      cache_key = (id(prompt), len(request.sample.response_tokens))
-      if len(request.sample.response_tokens) == 0 and cache_key in prefixes:
-        self._slots[i] = _Slot(request)
-        self._state = self.engine.insert(prefixes[cache_key], self._state, i, rng=request.key)
+      sample = request.sample
+      if len(sample.response_tokens):  # a resumed partial response: its own prefill
+        self._prefill_into(i, request, sample.response_tokens)
+        self._slots[i] = _Slot(request, sample.response_tokens.tolist(),
+                               sample.behaviour_logprobs.tolist(), sample.token_versions.tolist())
         continue
-      prefixes[cache_key] = self._prefill_into(i, request, request.sample.response_tokens)
-      self._slots[i] = _Slot(request, list(request.sample.response_tokens.tolist()),
-                             list(request.sample.behaviour_logprobs.tolist()),
-                             list(request.sample.token_versions.tolist()))
+      key = id(sample.prompt_tokens)
+      if key not in new_prompts:
+        new_prompts[key] = (self._prefill(sample.prompt_tokens), [], [])
+      new_prompts[key][1].append(i)
+      new_prompts[key][2].append(request.key)
+      self._slots[i] = _Slot(request)
+    for prefix, slots, keys in new_prompts.values():
+      self._state = self.engine.insert_many(prefix, self._state, slots, rngs=np.stack(keys))
+
+  def _prefill(self, sequence: np.ndarray):
+    sequence = np.asarray(sequence, np.int32)
+    return self.engine.prefill(params=self.params, padded_tokens=self.engine.pad_to_bucket(sequence),
+                               true_length=len(sequence))
 
   def _prefill_into(self, slot_index: int, request: GenerationRequest, response: np.ndarray):
-    sequence = np.concatenate([request.sample.prompt_tokens, response]).astype(np.int32)
-    padded = self.engine.pad_to_bucket(sequence)
-    prefix = self.engine.prefill(params=self.params, padded_tokens=padded,
-                                 true_length=len(sequence))
+    prefix = self._prefill(np.concatenate([request.sample.prompt_tokens, response]))
     self._state = self.engine.insert(prefix, self._state, slot_index, rng=request.key,
                                      num_generated=len(response))
-    return prefix
 
   def _finish(self, slot_index: int, reason: FinishReason) -> Sample:
     slot = self._slots[slot_index]

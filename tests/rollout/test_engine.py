@@ -202,3 +202,22 @@ def test_prefill_and_insert_argument_errors(model, engines):
   assert int(prefix.true_length) == 5 and int(prefix.last_token) == PROMPTS[0][-1]
   with pytest.raises(ValueError, match=rf"slot {SLOTS} outside \[0, {SLOTS}\)"):
     engine.insert(prefix, engine.init_decode_state(), SLOTS, rng=jax.random.PRNGKey(0))
+
+
+def test_insert_many_equals_inserts_one_by_one(model):
+  graphdef, params, _ = model
+  engine = Engine(graphdef, CONFIG, max_concurrent_decodes=4, max_prefill_length=8)
+  prompt = np.asarray(PROMPTS[0], np.int32)
+  prefix = engine.prefill(params=params, padded_tokens=engine.pad_to_bucket(prompt),
+                          true_length=len(prompt))
+  keys = [sample_key(0, 5, m) for m in range(3)]
+  one_by_one = engine.init_decode_state()
+  for slot, key in zip((3, 0, 2), keys):
+    one_by_one = engine.insert(prefix, one_by_one, slot, rng=key)
+  together = engine.insert_many(prefix, engine.init_decode_state(), [3, 0, 2], rngs=keys)
+  for a, b in zip(jax.tree.leaves(one_by_one), jax.tree.leaves(together)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(ValueError, match="slots must be a non-empty list"):
+    engine.insert_many(prefix, engine.init_decode_state(), [4], rngs=keys[:1])
+  with pytest.raises(ValueError, match="rngs must be uint32"):
+    engine.insert_many(prefix, engine.init_decode_state(), [0, 1], rngs=keys[:1])
