@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 
 from jaxrl_async import sharding
 from jaxrl_async.learner import advantages as advantages_lib
-from jaxrl_async.learner import losses
+from jaxrl_async.learner import losses, proximal
 from jaxrl_async.learner.batching import TrainBatch
 from jaxrl_async.model import apply
 
@@ -139,7 +139,7 @@ def _loss_fn(params, graphdef, config: LearnerConfig, batch: TrainBatch, anchor_
   if config.use_rollout_log_probs:
     anchor, behaviour_arg = behaviour, None
   elif config.proximal_logprob == "loglinear":
-    anchor = losses.loglinear_proximal_logprob(
+    anchor = proximal.loglinear_proximal_logprob(
         behaviour, jax.lax.stop_gradient(logp), batch.token_versions[:, 1:], proximal_version,
         current_version)
     behaviour_arg = behaviour

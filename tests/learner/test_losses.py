@@ -13,6 +13,7 @@ import pytest
 
 from jaxrl_async import sharding
 from jaxrl_async.learner import losses
+from jaxrl_async.learner import proximal as proximal_lib
 
 
 @functools.cache
@@ -360,7 +361,7 @@ def test_loglinear_hand_computed():
   behaviour = jnp.full((1, 5), -2.0)
   current = jnp.full((1, 5), -1.0)
   versions = jnp.array([[3, 4, 5, 2, 0]])
-  got = jit_call(losses.loglinear_proximal_logprob, behaviour, current, versions, 4, 5)
+  got = jit_call(proximal_lib.loglinear_proximal_logprob, behaviour, current, versions, 4, 5)
   # alpha = (4 - v) / (5 - v): 1/2, 0 (token of the proximal version), 1 (v == current),
   # 2/3, 4/5.
   np.testing.assert_allclose(got, [[-1.5, -2.0, -1.0, -2 + 2 / 3, -2 + 4 / 5]], rtol=1e-6)
@@ -370,7 +371,7 @@ def test_loglinear_alpha_edge_cases():
   behaviour = jnp.full((1, 4), -3.0)
   current = jnp.full((1, 4), -1.0)
   # Proximal older than the token (alpha < 0 -> 0) and proximal newer than current (-> 1).
-  loglinear = jax.jit(losses.loglinear_proximal_logprob)
+  loglinear = jax.jit(proximal_lib.loglinear_proximal_logprob)
   got = loglinear(behaviour, current, jnp.array([[3, 3, 3, 4]]), 2, 4.0)
   np.testing.assert_allclose(got, [[-3.0, -3.0, -3.0, -1.0]])
   got = loglinear(behaviour, current, jnp.array([[3, 3, 4, 0]]), 7, 4.0)
@@ -386,7 +387,7 @@ def test_loglinear_matches_reference_and_stops_gradient():
   behaviour = rng.uniform(-4, 0, (3, 5)).astype(np.float32)
   current = rng.uniform(-4, 0, (3, 5)).astype(np.float32)
   versions = rng.integers(0, 6, (3, 5))
-  got = losses.loglinear_proximal_logprob(behaviour, current, versions, 4, 6)
+  got = proximal_lib.loglinear_proximal_logprob(behaviour, current, versions, 4, 6)
   for b in range(3):
     for t in range(5):
       v = versions[b, t]
@@ -394,7 +395,7 @@ def test_loglinear_matches_reference_and_stops_gradient():
       np.testing.assert_allclose(got[b, t], behaviour[b, t] + alpha * (current[b, t] -
                                                                         behaviour[b, t]),
                                  rtol=1e-5, atol=1e-6)
-  grad = jax.grad(lambda cur: jnp.sum(losses.loglinear_proximal_logprob(
+  grad = jax.grad(lambda cur: jnp.sum(proximal_lib.loglinear_proximal_logprob(
       behaviour, cur, versions, 4, 6)))(jnp.asarray(current))
   np.testing.assert_array_equal(grad, np.zeros((3, 5)))
 
@@ -403,15 +404,15 @@ def test_proximal_logprob_dispatch():
   behaviour, current, recomputed = (jnp.full((1, 2), x) for x in (-2.0, -1.0, -1.7))
   versions = jnp.array([[0, 1]])
   np.testing.assert_array_equal(
-      losses.proximal_logprob("rollout", behaviour_logp=behaviour), behaviour)
+      proximal_lib.proximal_logprob("rollout", behaviour_logp=behaviour), behaviour)
   np.testing.assert_array_equal(
-      losses.proximal_logprob("recompute", behaviour_logp=behaviour, recomputed_logp=recomputed),
+      proximal_lib.proximal_logprob("recompute", behaviour_logp=behaviour, recomputed_logp=recomputed),
       recomputed)
   np.testing.assert_allclose(
-      losses.proximal_logprob("loglinear", behaviour_logp=behaviour, current_logp=current,
+      proximal_lib.proximal_logprob("loglinear", behaviour_logp=behaviour, current_logp=current,
                               token_versions=versions, proximal_version=1, current_version=2),
       [[-1.5, -2.0]])
-  grad = jax.grad(lambda r: jnp.sum(losses.proximal_logprob(
+  grad = jax.grad(lambda r: jnp.sum(proximal_lib.proximal_logprob(
       "recompute", behaviour_logp=behaviour, recomputed_logp=r)))(recomputed)
   np.testing.assert_array_equal(grad, np.zeros((1, 2)))
 
@@ -419,12 +420,12 @@ def test_proximal_logprob_dispatch():
 def test_proximal_logprob_missing_inputs_raise():
   behaviour = jnp.zeros((1, 2))
   with pytest.raises(ValueError, match="recomputed_logp"):
-    losses.proximal_logprob("recompute", behaviour_logp=behaviour)
+    proximal_lib.proximal_logprob("recompute", behaviour_logp=behaviour)
   with pytest.raises(ValueError, match="token_versions, proximal_version"):
-    losses.proximal_logprob("loglinear", behaviour_logp=behaviour, current_logp=behaviour,
+    proximal_lib.proximal_logprob("loglinear", behaviour_logp=behaviour, current_logp=behaviour,
                             current_version=3)
   with pytest.raises(ValueError, match="source.*recompute.*got 'behaviour'"):
-    losses.proximal_logprob("behaviour", behaviour_logp=behaviour)
+    proximal_lib.proximal_logprob("behaviour", behaviour_logp=behaviour)
 
 
 # ---- KL, entropy, logprobs -----------------------------------------------------------------------
@@ -664,7 +665,7 @@ def test_vmap_of_logprob_helpers():
   logprobs = jax.jit(jax.vmap(losses.token_logprobs))(logits, targets)
   entropy = jax.jit(jax.vmap(losses.entropy_from_logits))(logits, mask)
   versions = jnp.asarray(rng.integers(0, 4, (2, 3, 4)))
-  loglinear = jax.jit(jax.vmap(losses.loglinear_proximal_logprob,
+  loglinear = jax.jit(jax.vmap(proximal_lib.loglinear_proximal_logprob,
                                in_axes=(0, 0, 0, None, 0)))
   proximal = loglinear(logprobs, logprobs * 0.5, versions, 2, jnp.array([3.0, 4.0]))
   for m, current_version in enumerate((3.0, 4.0)):
@@ -673,7 +674,7 @@ def test_vmap_of_logprob_helpers():
     np.testing.assert_allclose(entropy[m], jit_call(losses.entropy_from_logits, logits[m],
                                                     mask[m]), rtol=1e-5)
     np.testing.assert_allclose(proximal[m], jit_call(
-        losses.loglinear_proximal_logprob, logprobs[m], logprobs[m] * 0.5, versions[m], 2,
+        proximal_lib.loglinear_proximal_logprob, logprobs[m], logprobs[m] * 0.5, versions[m], 2,
         current_version), rtol=1e-6)
 
 
