@@ -73,7 +73,7 @@ def build(config: RunConfig, *, log=print) -> Parts:
   model_config = get_config(config.model, vocab_size=task.tokenizer.vocab_size,
                             max_seq_len=cache_length)
   mesh = sharding.make_mesh(config.learner_mesh,
-                            jax.devices()[:_mesh_size(config.learner_mesh)])
+                            jax.devices()[:config.learner_mesh.num_devices(len(jax.devices()))])
   model = jax.eval_shape(lambda: init_model(model_config))
   graphdef, _ = split_model(model)
   logical_axes = param_logical_axes(model)
@@ -93,12 +93,6 @@ def build(config: RunConfig, *, log=print) -> Parts:
                engine=engine, eval_problems=task.eval_set(config.eval_size),
                prompt_iterator=prompt_iterator, rewards=rewards,
                ref_params=copy_params(state.params) if config.learner.needs_reference else None)
-
-
-def _mesh_size(shape: sharding.MeshShape) -> int:
-  sizes = [s for s in (shape.data, shape.fsdp, shape.tensor) if s != -1]
-  return len(jax.devices()) if -1 in (shape.data, shape.fsdp, shape.tensor) else int(
-      np.prod(sizes))
 
 
 def make_group_requests(problem, group_id: int, group_size: int, seed: int, members=None,

@@ -44,6 +44,11 @@ class MeshShape:
   fsdp: int = -1
   tensor: int = 1
 
+  def num_devices(self, available: int) -> int:
+    """Devices this mesh takes: all `available` with a -1 axis, else the product of the sizes."""
+    sizes = (self.data, self.fsdp, self.tensor)
+    return available if -1 in sizes else math.prod(sizes)
+
   def resolve(self, num_devices: int) -> tuple[int, int, int]:
     sizes = [self.data, self.fsdp, self.tensor]
     for name, size in zip(MESH_AXES, sizes):

@@ -150,3 +150,9 @@ def test_sharded_forward_equals_unsharded(tiny, mesh8):
   single, _ = fwd(jax.device_put(params, jax.devices()[0]), jax.device_put(tokens, jax.devices()[0]))
   assert len(sharded.sharding.device_set) == 8
   np.testing.assert_allclose(np.asarray(sharded), np.asarray(single), atol=1e-5)
+
+
+def test_mesh_shape_num_devices():
+  assert MeshShape(data=1, fsdp=2, tensor=2).num_devices(8) == 4
+  assert MeshShape(fsdp=-1, tensor=2).num_devices(8) == 8
+  assert MeshShape(data=1, fsdp=1, tensor=1).num_devices(8) == 1

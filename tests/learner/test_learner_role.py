@@ -163,6 +163,20 @@ def make_role(buffer, channel, update, *, groups_per_update, trigger, num_versio
   return role, published
 
 
+def run_role_to_completion(role, buffer, producer):
+  """Start the role, wait until it has published every version, then stop everything."""
+  role.start()
+  try:
+    assert role.done.wait(JOIN_S), "the learner did not finish"
+  finally:
+    role.stop()
+    buffer.close()
+    role.join(JOIN_S)
+    producer.join(JOIN_S)
+  assert role.error is None, role.error
+  assert producer.error is None, producer.error
+
+
 def make_buffer(groups_per_version: int, staleness_threshold: float = 0.0, max_version_gap=None):
   budget = admission_budget(staleness_threshold, groups_per_version)
   return VersionedBuffer(group_size=GROUP_SIZE, groups_per_version=groups_per_version,
@@ -182,16 +196,7 @@ def test_role_publishes_each_version_after_trigger_updates(groups_per_update, tr
                               needs_window_params=True)
   producer = OnPolicyProducer(buffer, channel)
   producer.start()
-  role.start()
-  try:
-    assert role.done.wait(JOIN_S), "the learner did not finish"
-  finally:
-    role.stop()
-    buffer.close()
-    role.join(JOIN_S)
-    producer.join(JOIN_S)
-  assert role.error is None, role.error
-  assert producer.error is None, producer.error
+  run_role_to_completion(role, buffer, producer)
   # Updates: `trigger` per version, each on `groups_per_update` groups, in version order.
   assert [(c["version"], c["local"]) for c in update.calls] == [
       (v, local) for v in range(num_versions) for local in range(trigger)]
@@ -225,15 +230,7 @@ def test_role_resumes_from_its_start_version():
                               num_versions=5, start_version=3)
   producer = OnPolicyProducer(buffer, channel)
   producer.start()
-  role.start()
-  try:
-    assert role.done.wait(JOIN_S)
-  finally:
-    role.stop()
-    buffer.close()
-    role.join(JOIN_S)
-    producer.join(JOIN_S)
-  assert role.error is None, role.error
+  run_role_to_completion(role, buffer, producer)
   assert [c["version"] for c in update.calls] == [3, 4]
   assert [p[0] for p in published] == [4, 5]
   assert channel.metrics()["sync/publishes"] == 3  # 3 (the start), 4, 5
