@@ -145,7 +145,7 @@ def _run_async(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print
       trigger_parameter_sync_step=cfg.trigger_parameter_sync_step,
       num_versions=cfg.num_versions, start_version=version,
       on_policy=cfg.staleness_threshold == 0, max_version_gap=cfg.max_version_gap,
-      needs_window_params=cfg.learner.needs_recompute, on_version=on_version,
+      needs_window_params=cfg.needs_window_params, on_version=on_version,
       debug_checks=cfg.debug_checks)
 
   if version == 0 or not last_eval:

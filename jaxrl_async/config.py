@@ -50,6 +50,7 @@ class RunConfig:
   learner: LearnerConfig = LearnerConfig()
   warm_start: WarmStartConfig = WarmStartConfig()
   learner_mesh: MeshShape = MeshShape(data=1, fsdp=1, tensor=1)
+  pack_sequences: bool = True  # several samples per row in the update (no padding FLOPs)
   sync_backend: str = "device"
   # -- bookkeeping --
   eval_every_versions: int = 10
@@ -107,6 +108,12 @@ class RunConfig:
   @property
   def num_versions(self) -> int:
     return self.total_samples // self.samples_per_version
+
+  @property
+  def needs_window_params(self) -> bool:
+    """'recompute' needs the window's weights kept beside the learner's only when a window has
+    more than one update (its first update takes the anchor from its own forward pass)."""
+    return self.learner.needs_recompute and self.trigger_parameter_sync_step > 1
 
   @property
   def is_async(self) -> bool:

@@ -21,7 +21,7 @@ from jaxrl_async import sharding
 from jaxrl_async.checkpoint import RunCheckpointer
 from jaxrl_async.config import RunConfig
 from jaxrl_async.learner import step as step_lib
-from jaxrl_async.learner.batching import bucket_length, collate, longest_sequence
+from jaxrl_async.learner.batching import bucket_length, collate, longest_sequence, pack
 from jaxrl_async.learner.sft import cached_base_policy
 from jaxrl_async.metrics import JsonlWriter, RoleTimer, reduce_metrics, staleness_metrics, sum_pairs
 from jaxrl_async.model import get_config, init_model, param_logical_axes, split_model
@@ -117,16 +117,33 @@ def copy_params(params):
   return jax.tree.map(lambda x: x.copy(), params)
 
 
+def make_batch(parts: Parts, groups):
+  """The groups as a TrainBatch on the learner mesh: packed rows (`pack_sequences`), or one row
+  per sample padded to the batch's length bucket."""
+  cfg = parts.config
+  if cfg.pack_sequences:
+    batch = pack(groups, parts.seq_len, num_groups=cfg.groups_per_update,
+                 row_multiple=parts.mesh.size)
+  else:
+    batch = collate(groups, bucket_length(longest_sequence(groups), parts.seq_len),
+                    num_groups=cfg.groups_per_update)
+  return step_lib.shard_batch(batch, parts.mesh)
+
+
 def learner_update(parts: Parts, state, groups, window_params, version: int,
                    local_update: int) -> tuple[Any, dict]:
-  """One optimizer step on `groups`; the anchor follows `old_logprob_source`."""
+  """One optimizer step on `groups`; the anchor follows `old_logprob_source`.
+
+  'recompute' at a window's first update (local_update 0) takes the anchor from the update's own
+  forward pass: the window's weights are the current ones, so a second pass would be the same.
+  """
   cfg = parts.config
-  seq_len = bucket_length(longest_sequence(groups), parts.seq_len)
-  batch = step_lib.shard_batch(collate(groups, seq_len, num_groups=cfg.groups_per_update),
-                               parts.mesh)
-  anchor = (parts.logprobs(window_params, batch.tokens) if cfg.learner.needs_recompute
-            else batch.behaviour_logprobs)
-  ref = None if parts.ref_params is None else parts.logprobs(parts.ref_params, batch.tokens)
+  batch = make_batch(parts, groups)
+  anchor = None
+  if cfg.learner.needs_recompute and local_update > 0:
+    anchor = step_lib.batch_logprobs(parts.logprobs, window_params, batch)
+  ref = (None if parts.ref_params is None
+         else step_lib.batch_logprobs(parts.logprobs, parts.ref_params, batch))
   current_version = version + local_update / cfg.trigger_parameter_sync_step
   state, metrics = parts.update(state, batch, anchor, np.float32(version),
                                 np.float32(current_version), ref)
@@ -200,7 +217,7 @@ def run_sync(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print):
     dropped = run_state["dropped"]
     timer.start -= run_state.get("wall_s", 0.0)
     log(f"resumed from {checkpointer.directory} at policy_version {version}")
-  window_params = copy_params(state.params)
+  window_params = copy_params(state.params) if cfg.needs_window_params else None
   batcher.set_params(copy_params(state.params), version)
   last_eval: dict[str, float] = {}
   bar = progress_bar(cfg.num_versions, version, progress)
@@ -245,7 +262,7 @@ def run_sync(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print):
       tokens_consumed += sum(s.num_response_tokens for g in groups for s in g)
       with timer.busy("sync"):
         began = time.perf_counter()
-        window_params = copy_params(state.params)
+        window_params = copy_params(state.params) if cfg.needs_window_params else None
         batcher.set_params(copy_params(state.params), version + 1)
         jax.block_until_ready(batcher.params)
         sync_latency = time.perf_counter() - began

@@ -20,32 +20,11 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+from jaxrl_async.learner.aggregation import AGG_MODES, aggregate, aggregate_parts  # noqa: F401
+from jaxrl_async.learner.checks import check_choice, check_number, check_tokens, is_zero
+
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl")
 IS_CAP_MODES = ("mask", "clamp")
-
-
-# ---- checks ------------------------------------------------------------------------------------
-def _check_choice(name: str, value, allowed: tuple[str, ...]) -> None:
-  if value not in allowed:
-    raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-
-
-def _check_number(name: str, value, low: float, low_inclusive: bool = True) -> None:
-  # Traced values (e.g. a scheduled clip range) cannot be checked at trace time.
-  if isinstance(value, numbers.Real) and not (value >= low if low_inclusive else value > low):
-    bound = ">=" if low_inclusive else ">"
-    raise ValueError(f"{name} must be {bound} {low}, got {value!r}")
-
-
-def _is_zero(coef) -> bool:
-  return isinstance(coef, numbers.Real) and coef == 0.0
-
-
-def _check_tokens(mask: jax.Array, **arrays: jax.Array) -> None:
-  assert mask.ndim == 2, f"mask must be [B, T], got shape {mask.shape}"
-  for name, array in arrays.items():
-    assert array.shape == mask.shape, f"{name} must be [B, T] = {mask.shape}, got {array.shape}"
 
 
 def _pair(values: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -55,68 +34,14 @@ def _pair(values: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
           jnp.sum(valid).astype(jnp.float32))
 
 
-# ---- aggregation -------------------------------------------------------------------------------
-def aggregate_parts(values: jax.Array, mask: jax.Array, mode: str, *,
-                    max_length: int | None = None) -> tuple[jax.Array, jax.Array]:
-  """The loss of `aggregate` as (numerator, denominator), so it can be normalised globally.
-
-  Summing both parts over micro-batches (or devices) and dividing once gives the aggregate of the
-  whole batch; `aggregate` is numerator / max(denominator, 1).
-  """
-  _check_choice("agg_mode", mode, AGG_MODES)
-  values, mask = jnp.asarray(values), jnp.asarray(mask)
-  _check_tokens(mask, values=values)
-  valid = mask > 0
-  masked = jnp.where(valid, values, 0.0)
-  tokens_per_row = jnp.sum(valid, axis=-1).astype(masked.dtype)
-  nonempty_rows = jnp.sum(tokens_per_row > 0).astype(masked.dtype)
-  row_sums = jnp.sum(masked, axis=-1)
-  if mode == "token-mean":
-    return jnp.sum(row_sums), jnp.sum(tokens_per_row)
-  if mode == "seq-mean-token-mean":
-    return jnp.sum(row_sums / jnp.maximum(tokens_per_row, 1.0)), nonempty_rows
-  if mode == "seq-mean-token-sum":
-    return jnp.sum(row_sums), nonempty_rows
-  max_length = values.shape[-1] if max_length is None else max_length
-  _check_number("max_length", max_length, 0, low_inclusive=False)
-  return jnp.sum(row_sums) / max_length, jnp.asarray(values.shape[0], masked.dtype)
-
-
-def aggregate(values: jax.Array, mask: jax.Array, mode: str = "token-mean", *,
-              max_length: int | None = None) -> jax.Array:
-  """Reduces per-token values [B, T] to a scalar over the valid tokens (verl's loss_agg_mode).
-
-  - 'token-mean': sum_bt m v / sum_bt m. Every token weighs the same, so long responses are not
-    down-weighted (DAPO, Yu et al. 2025, sec. 3.3).
-  - 'seq-mean-token-mean': mean over non-empty rows of (sum_t m v / sum_t m), the original GRPO
-    objective (Shao et al. 2024, eq. 3).
-  - 'seq-mean-token-sum': mean over non-empty rows of sum_t m v.
-  - 'seq-mean-token-sum-norm': sum_bt m v / (B * max_length), max_length defaulting to T: a
-    constant normaliser independent of the mask (Dr.GRPO, Liu et al. 2025).
-  A batch without valid tokens aggregates to 0, not NaN. Rows without valid tokens do not count
-  in the seq-mean modes' denominators.
-
-  Args:
-    values: [B, T].
-    mask: [B, T] bool or {0, 1}.
-    mode: one of AGG_MODES.
-    max_length: static generation budget for 'seq-mean-token-sum-norm'.
-
-  Returns:
-    scalar.
-  """
-  numerator, denominator = aggregate_parts(values, mask, mode, max_length=max_length)
-  return numerator / jnp.maximum(denominator, 1.0)
-
-
 # ---- PPO surrogate ------------------------------------------------------------------------------
 def _check_clip(clip_low, clip_high, dual_clip) -> None:
-  _check_number("clip_low", clip_low, 0.0)
+  check_number("clip_low", clip_low, 0.0)
   if isinstance(clip_low, numbers.Real) and clip_low > 1.0:
     raise ValueError(f"clip_low must be <= 1, got {clip_low!r}")
-  _check_number("clip_high", clip_high, 0.0)
+  check_number("clip_high", clip_high, 0.0)
   if dual_clip is not None:
-    _check_number("dual_clip", dual_clip, 1.0, low_inclusive=False)
+    check_number("dual_clip", dual_clip, 1.0, low_inclusive=False)
 
 
 def _ppo_token_loss(log_ratio, advantages, clip_low, clip_high, dual_clip):
@@ -136,7 +61,8 @@ def _ppo_token_loss(log_ratio, advantages, clip_low, clip_high, dual_clip):
 def clipped_policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array,
                         mask: jax.Array, *, clip_low: float = 0.2, clip_high: float = 0.2,
                         dual_clip: float | None = None, agg_mode: str = "token-mean",
-                        max_length: int | None = None) -> tuple[jax.Array, dict]:
+                        max_length: int | None = None, sequence_ids: jax.Array | None = None,
+                        num_sequences: int | None = None) -> tuple[jax.Array, dict]:
   """PPO clipped surrogate (Schulman et al. 2017, eq. 7) with asymmetric and dual clipping.
 
   Per token, with r = exp(logp - old_logp):
@@ -156,7 +82,7 @@ def clipped_policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Ar
     mask: [B, T] bool or {0, 1}.
     clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high].
     dual_clip: c > 1, or None for no dual clip.
-    agg_mode: one of AGG_MODES; max_length: for 'seq-mean-token-sum-norm' (see `aggregate`).
+    agg_mode: one of AGG_MODES; max_length, sequence_ids, num_sequences: see `aggregate`.
 
   Returns:
     loss: scalar.
@@ -165,8 +91,8 @@ def clipped_policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Ar
       KL(pi_old || pi_theta), mean of old_logp - logp).
   """
   logp, old_logp, advantages, mask = map(jnp.asarray, (logp, old_logp, advantages, mask))
-  _check_tokens(mask, logp=logp, old_logp=old_logp, advantages=advantages)
-  _check_choice("agg_mode", agg_mode, AGG_MODES)
+  check_tokens(mask, logp=logp, old_logp=old_logp, advantages=advantages)
+  check_choice("agg_mode", agg_mode, AGG_MODES)
   _check_clip(clip_low, clip_high, dual_clip)
   valid = mask > 0
   log_ratio = jnp.where(valid, logp - jax.lax.stop_gradient(old_logp), 0.0)
@@ -179,15 +105,17 @@ def clipped_policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Ar
       "ratio_mean": _pair(jax.lax.stop_gradient(ratio), mask),
       "approx_kl": _pair(jax.lax.stop_gradient(-log_ratio), mask),
   }
-  return aggregate(token_loss, mask, agg_mode, max_length=max_length), metrics
+  return aggregate(token_loss, mask, agg_mode, max_length=max_length, sequence_ids=sequence_ids,
+                   num_sequences=num_sequences), metrics
 
 
 def decoupled_policy_loss(logp: jax.Array, proximal_logp: jax.Array, behaviour_logp: jax.Array,
                           advantages: jax.Array, mask: jax.Array, *, clip_low: float = 0.2,
                           clip_high: float = 0.2, dual_clip: float | None = None,
                           is_cap: float | None = 5.0, is_cap_mode: str = "mask",
-                          agg_mode: str = "token-mean",
-                          max_length: int | None = None) -> tuple[jax.Array, dict]:
+                          agg_mode: str = "token-mean", max_length: int | None = None,
+                          sequence_ids: jax.Array | None = None,
+                          num_sequences: int | None = None) -> tuple[jax.Array, dict]:
   """Decoupled PPO: trust region around pi_prox, importance weight for pi_behav.
 
   Hilton et al. 2022 ("Batch size-invariance for policy optimization") and AReaL (Fu et al. 2025).
@@ -205,8 +133,8 @@ def decoupled_policy_loss(logp: jax.Array, proximal_logp: jax.Array, behaviour_l
     logp: [B, T] log pi_theta, differentiated.
     proximal_logp: [B, T] log pi_prox (see `proximal_logprob`), data.
     behaviour_logp: [B, T] log pi_behav, the logprob the rollout sampled with, data.
-    advantages, mask, clip_low, clip_high, dual_clip, agg_mode, max_length: as in
-      `clipped_policy_loss`.
+    advantages, mask, clip_low, clip_high, dual_clip, agg_mode, max_length, sequence_ids,
+      num_sequences: as in `clipped_policy_loss`.
     is_cap: cap on w (>= 1), or None for no cap.
     is_cap_mode: 'mask' or 'clamp'.
 
@@ -219,13 +147,13 @@ def decoupled_policy_loss(logp: jax.Array, proximal_logp: jax.Array, behaviour_l
   """
   logp, proximal_logp, behaviour_logp, advantages, mask = map(
       jnp.asarray, (logp, proximal_logp, behaviour_logp, advantages, mask))
-  _check_tokens(mask, logp=logp, proximal_logp=proximal_logp, behaviour_logp=behaviour_logp,
+  check_tokens(mask, logp=logp, proximal_logp=proximal_logp, behaviour_logp=behaviour_logp,
                 advantages=advantages)
-  _check_choice("agg_mode", agg_mode, AGG_MODES)
-  _check_choice("is_cap_mode", is_cap_mode, IS_CAP_MODES)
+  check_choice("agg_mode", agg_mode, AGG_MODES)
+  check_choice("is_cap_mode", is_cap_mode, IS_CAP_MODES)
   _check_clip(clip_low, clip_high, dual_clip)
   if is_cap is not None:
-    _check_number("is_cap", is_cap, 1.0)
+    check_number("is_cap", is_cap, 1.0)
   valid = mask > 0
   log_ratio = jnp.where(valid, logp - jax.lax.stop_gradient(proximal_logp), 0.0)
   advantages = jnp.where(valid, jax.lax.stop_gradient(advantages), 0.0)
@@ -254,7 +182,8 @@ def decoupled_policy_loss(logp: jax.Array, proximal_logp: jax.Array, behaviour_l
       "capped_fraction": _pair(capped, mask),
       "masked_fraction": _pair(masked, mask),
   }
-  return aggregate(token_loss, mask, agg_mode, max_length=max_length), metrics
+  return aggregate(token_loss, mask, agg_mode, max_length=max_length, sequence_ids=sequence_ids,
+                   num_sequences=num_sequences), metrics
 
 
 # ---- per-token quantities from logits -----------------------------------------------------------
@@ -268,7 +197,7 @@ def kl_penalty(logp: jax.Array, ref_logp: jax.Array, kind: str = "k3") -> jax.Ar
   - 'low_var_kl': k3 with d clipped to [-20, 20] and the result to [-10, 10] (verl), so a token
     the reference finds impossible cannot overflow the loss.
   """
-  _check_choice("kind", kind, KL_KINDS)
+  check_choice("kind", kind, KL_KINDS)
   logp, ref_logp = jnp.asarray(logp), jnp.asarray(ref_logp)
   assert logp.shape == ref_logp.shape, f"logp {logp.shape} and ref_logp {ref_logp.shape} differ"
   log_ratio = ref_logp - logp
@@ -283,7 +212,7 @@ def kl_penalty(logp: jax.Array, ref_logp: jax.Array, kind: str = "k3") -> jax.Ar
 
 
 def _scaled_logits(logits: jax.Array, temperature: float) -> jax.Array:
-  _check_number("temperature", temperature, 0.0, low_inclusive=False)
+  check_number("temperature", temperature, 0.0, low_inclusive=False)
   return jnp.asarray(logits).astype(jnp.float32) / temperature
 
 
@@ -341,7 +270,8 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mas
                 entropy_coef: float = 0.0, clip_low: float = 0.2, clip_high: float = 0.2,
                 dual_clip: float | None = None, is_cap: float | None = 5.0,
                 is_cap_mode: str = "mask", agg_mode: str = "token-mean",
-                max_length: int | None = None) -> tuple[jax.Array, dict]:
+                max_length: int | None = None, sequence_ids: jax.Array | None = None,
+                num_sequences: int | None = None) -> tuple[jax.Array, dict]:
   """total = pg_loss + kl_coef * agg(KL) - entropy_coef * agg(entropy), with agg = agg_mode.
 
   The policy term is `clipped_policy_loss` against old_logp, or, when behaviour_logp is given,
@@ -357,20 +287,23 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mas
     entropy: [B, T] per-token entropy (`entropy_from_logits`), or None; needed when
       entropy_coef != 0. Its gradient, if any, flows into the bonus.
     kl_coef, kl_kind, entropy_coef: weights and KL estimator (see `kl_penalty`).
-    clip_low, clip_high, dual_clip, is_cap, is_cap_mode, agg_mode, max_length: as in the losses.
+    clip_low, clip_high, dual_clip, is_cap, is_cap_mode, agg_mode, max_length, sequence_ids,
+      num_sequences: as in the losses.
 
   Returns:
     loss: scalar.
     metrics: the policy term's, plus 'pg_loss' (pg_loss, 1), 'kl' (sum, count) when ref_logp is
       given, 'entropy' (sum, count) when entropy is given.
   """
-  _check_choice("kl_kind", kl_kind, KL_KINDS)
-  if not _is_zero(kl_coef) and ref_logp is None:
+  check_choice("kl_kind", kl_kind, KL_KINDS)
+  if not is_zero(kl_coef) and ref_logp is None:
     raise ValueError(f"kl_coef={kl_coef!r} needs ref_logp")
-  if not _is_zero(entropy_coef) and entropy is None:
+  if not is_zero(entropy_coef) and entropy is None:
     raise ValueError(f"entropy_coef={entropy_coef!r} needs entropy")
+  agg_kwargs = dict(max_length=max_length, sequence_ids=sequence_ids,
+                    num_sequences=num_sequences)
   clip_kwargs = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
-                     agg_mode=agg_mode, max_length=max_length)
+                     agg_mode=agg_mode, **agg_kwargs)
   if behaviour_logp is None:
     pg_loss, metrics = clipped_policy_loss(logp, old_logp, advantages, mask, **clip_kwargs)
   else:
@@ -383,16 +316,16 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mas
   valid = jnp.asarray(mask) > 0
   if ref_logp is not None:
     ref_logp = jnp.asarray(ref_logp)
-    _check_tokens(valid, ref_logp=ref_logp)
+    check_tokens(valid, ref_logp=ref_logp)
     # Padding is zeroed before exp(), so its gradient cannot be 0 * inf.
     kl = kl_penalty(jnp.where(valid, logp, 0.0), jnp.where(valid, ref_logp, 0.0), kl_kind)
     metrics["kl"] = _pair(jax.lax.stop_gradient(kl), mask)
-    if not _is_zero(kl_coef):
-      total = total + kl_coef * aggregate(kl, mask, agg_mode, max_length=max_length)
+    if not is_zero(kl_coef):
+      total = total + kl_coef * aggregate(kl, mask, agg_mode, **agg_kwargs)
   if entropy is not None:
     entropy = jnp.asarray(entropy)
-    _check_tokens(valid, entropy=entropy)
+    check_tokens(valid, entropy=entropy)
     metrics["entropy"] = _pair(jax.lax.stop_gradient(entropy), mask)
-    if not _is_zero(entropy_coef):
-      total = total - entropy_coef * aggregate(entropy, mask, agg_mode, max_length=max_length)
+    if not is_zero(entropy_coef):
+      total = total - entropy_coef * aggregate(entropy, mask, agg_mode, **agg_kwargs)
   return total, metrics

@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_async.learner.losses import _check_choice, _check_tokens
+from jaxrl_async.learner.checks import check_choice, check_tokens
 
 PROXIMAL_SOURCES = ("recompute", "loglinear", "rollout")
 
@@ -35,7 +35,7 @@ def loglinear_proximal_logprob(behaviour_logp: jax.Array, current_logp: jax.Arra
   """
   behaviour_logp, current_logp, token_versions = map(
       jnp.asarray, (behaviour_logp, current_logp, token_versions))
-  _check_tokens(behaviour_logp, current_logp=current_logp, token_versions=token_versions)
+  check_tokens(behaviour_logp, current_logp=current_logp, token_versions=token_versions)
   proximal_version = jnp.asarray(proximal_version, jnp.float32)
   current_version = jnp.asarray(current_version, jnp.float32)
   assert proximal_version.ndim == 0 and current_version.ndim == 0, "versions must be scalars"
@@ -63,7 +63,7 @@ def proximal_logprob(source: str, *, behaviour_logp: jax.Array,
 
   The result's gradient is always stopped.
   """
-  _check_choice("source", source, PROXIMAL_SOURCES)
+  check_choice("source", source, PROXIMAL_SOURCES)
   if source == "rollout":
     return jax.lax.stop_gradient(jnp.asarray(behaviour_logp))
   if source == "recompute":

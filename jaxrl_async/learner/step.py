@@ -8,8 +8,13 @@ Old logprobs (the ratio's anchor), by `LearnerConfig`:
 - use_rollout_log_probs: clipped PPO against the behaviour logprobs from the rollout.
 - otherwise the decoupled objective (AReaL) against a proximal policy:
   'recompute' (the anchor passed in, computed with the weights at the start of the version
-  window), 'loglinear' (interpolated in-graph from behaviour and current logprobs by version), or
-  'rollout' (proximal = behaviour).
+  window; at the window's first update those are the current weights, and `anchor_logp=None`
+  takes the anchor from the update's own forward pass instead of a second one), 'loglinear'
+  (interpolated in-graph from behaviour and current logprobs by version), or 'rollout'
+  (proximal = behaviour).
+
+Batches may be packed (`batching.pack`): several samples per row, attention kept within a sample
+by segment ids, advantages gathered per token from the token's sample.
 """
 
 from __future__ import annotations
@@ -120,9 +125,15 @@ def state_shardings(state: TrainState):
   return jax.tree.map(lambda x: x.sharding, state)
 
 
-def sequence_logprobs(graphdef, params, tokens, temperature: float):
-  """log pi(tokens[:, t] | tokens[:, :t]) for t >= 1, as [B, T] with column 0 = 0."""
-  logits, _ = apply(graphdef, params, tokens[:, :-1])
+def sequence_logprobs(graphdef, params, tokens, temperature: float, positions=None,
+                      segment_ids=None):
+  """log pi(tokens[:, t] | its sample's tokens before t) for t >= 1, as [R, T] with column 0 = 0.
+
+  positions / segment_ids: for packed rows (see `batching.pack`), else None.
+  """
+  if segment_ids is not None:
+    positions, segment_ids = positions[:, :-1], segment_ids[:, :-1]
+  logits, _ = apply(graphdef, params, tokens[:, :-1], positions, segment_ids=segment_ids)
   logp = losses.token_logprobs(logits, tokens[:, 1:], temperature)
   return jnp.pad(logp, ((0, 0), (1, 0))), logits
 
@@ -130,10 +141,10 @@ def sequence_logprobs(graphdef, params, tokens, temperature: float):
 def _loss_fn(params, graphdef, config: LearnerConfig, batch: TrainBatch, anchor_logp,
              proximal_version, current_version):
   assert batch.tokens.ndim == 2, batch.tokens.shape
-  logits, _ = apply(graphdef, params, batch.tokens[:, :-1])
-  targets = batch.tokens[:, 1:]
+  logp, logits = sequence_logprobs(graphdef, params, batch.tokens, config.temperature,
+                                   batch.positions, batch.segment_ids)
+  logp = logp[:, 1:]
   mask = batch.response_mask[:, 1:]
-  logp = losses.token_logprobs(logits, targets, config.temperature)
   behaviour = batch.behaviour_logprobs[:, 1:]
   entropy = losses.entropy_from_logits(logits, mask, config.temperature)
   if config.use_rollout_log_probs:
@@ -145,6 +156,8 @@ def _loss_fn(params, graphdef, config: LearnerConfig, batch: TrainBatch, anchor_
     behaviour_arg = behaviour
   elif config.proximal_logprob == "rollout":
     anchor, behaviour_arg = behaviour, behaviour
+  elif anchor_logp is None:  # 'recompute' at the window's first update: the current weights
+    anchor, behaviour_arg = logp, behaviour
   else:
     anchor, behaviour_arg = anchor_logp[:, 1:], behaviour
   return logp, entropy, anchor, behaviour_arg, mask
@@ -154,8 +167,9 @@ def make_update_fn(graphdef, config: LearnerConfig, group_size: int, state_sh):
   """Build the jitted `update(state, batch, anchor_logp, proximal_version, current_version,
   ref_logp)`.
 
-  anchor_logp: [B, T] recomputed proximal logprobs ('recompute'), ignored otherwise.
-  ref_logp: [B, T] reference-policy logprobs for the KL penalty (kl_coef > 0), else None.
+  anchor_logp: [R, T] recomputed proximal logprobs ('recompute'), or None when the window's
+    weights are the current ones (its first update); ignored by the other sources.
+  ref_logp: [R, T] reference-policy logprobs for the KL penalty (kl_coef > 0), else None.
   proximal_version / current_version: float scalars for 'loglinear' (versions may be
   fractional: version + local updates / trigger_parameter_sync_step).
   """
@@ -164,18 +178,20 @@ def make_update_fn(graphdef, config: LearnerConfig, group_size: int, state_sh):
              current_version, ref_logp=None):
     rewards = batch.rewards.reshape(-1, group_size)
     adv = advantages_lib.group_advantages(rewards, normalize_std=config.normalize_std).reshape(-1)
+    sample_of_token = batch.sample_index[:, 1:]
 
     def loss(params):
       logp, entropy, anchor, behaviour_arg, mask = _loss_fn(
           params, graphdef, config, batch, anchor_logp, proximal_version, current_version)
-      token_adv = adv[:, None] * mask
+      token_adv = adv[sample_of_token] * mask
       total, metrics = losses.policy_loss(
           logp, jax.lax.stop_gradient(anchor), token_adv, mask, behaviour_logp=behaviour_arg,
           ref_logp=None if ref_logp is None else ref_logp[:, 1:], kl_coef=config.kl_coef,
           kl_kind=config.kl_kind,
           entropy=entropy, entropy_coef=config.entropy_coef, clip_low=config.clip_low,
           clip_high=config.clip_high, dual_clip=config.dual_clip, is_cap=config.is_cap,
-          is_cap_mode=config.is_cap_mode, agg_mode=config.agg_mode)
+          is_cap_mode=config.is_cap_mode, agg_mode=config.agg_mode,
+          sequence_ids=sample_of_token, num_sequences=batch.rewards.shape[0])
       return total, metrics
 
     (total, metrics), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
@@ -188,7 +204,7 @@ def make_update_fn(graphdef, config: LearnerConfig, group_size: int, state_sh):
       metrics["ref_kl"] = metrics.pop("kl")
     metrics["kl"] = metrics["approx_kl"]
     metrics["loss"] = total
-    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["grad_norm"] = optax.tree.norm(grads)
     metrics["advantage_abs_mean"] = jnp.mean(jnp.abs(adv))
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, tx=state.tx)
     return new_state, metrics
@@ -197,8 +213,19 @@ def make_update_fn(graphdef, config: LearnerConfig, group_size: int, state_sh):
 
 
 def make_logprob_fn(graphdef, temperature: float):
-  """Jitted `logprobs(params, tokens) -> [B, T]` (the 'recompute' anchor and evaluation)."""
-  return jax.jit(lambda params, tokens: sequence_logprobs(graphdef, params, tokens, temperature)[0])
+  """Jitted `logprobs(params, tokens, positions=None, segment_ids=None) -> [R, T]` (the
+  'recompute' anchor, the reference policy and evaluation); packed rows pass positions and
+  segment ids."""
+
+  def logprobs(params, tokens, positions=None, segment_ids=None):
+    return sequence_logprobs(graphdef, params, tokens, temperature, positions, segment_ids)[0]
+
+  return jax.jit(logprobs)
+
+
+def batch_logprobs(logprob_fn, params, batch: TrainBatch):
+  """`make_logprob_fn`'s function on a TrainBatch, packed or not."""
+  return logprob_fn(params, batch.tokens, batch.positions, batch.segment_ids)
 
 
 def shard_batch(batch: TrainBatch, mesh: Mesh) -> TrainBatch:

@@ -4,9 +4,11 @@ Every parameter names its logical axes (`out_sharding` metadata); `jaxrl_async.s
 to a mesh. The cache is an explicit pytree passed in and returned, so the forward pass is a pure
 function of (params, tokens, positions, cache) and one jitted decode step serves any weights.
 
-Attention masks come from positions alone: the query at position p sees cache slots s <= p. A
+Attention masks come from positions: the query at position p sees cache slots s <= p. A
 sequence is always laid out from position 0, so right padding and stale cache entries beyond the
-current position are never seen.
+current position are never seen. Without a cache, rows may hold several sequences (packing):
+`segment_ids` then restricts attention to keys of the query's own segment, and positions restart
+at 0 in each segment.
 """
 
 from __future__ import annotations
@@ -90,8 +92,9 @@ class Attention(nnx.Module):
       self.k_bias = _param(rngs, zeros, (kv, hd), ("kv_heads", "head_dim"))
       self.v_bias = _param(rngs, zeros, (kv, hd), ("kv_heads", "head_dim"))
 
-  def __call__(self, x, positions, cache_kv):
-    """x: [B, T, D]; positions: [B, T]; cache_kv: (k, v) each [B, S, KV, Dh] or None."""
+  def __call__(self, x, positions, cache_kv, segment_ids=None):
+    """x: [B, T, D]; positions: [B, T]; cache_kv: (k, v) each [B, S, KV, Dh] or None;
+    segment_ids: [B, T] or None (no cache only): a query sees keys of its own segment only."""
     cfg = self.config
     dtype = x.dtype
     q = jnp.einsum("btd,dhk->bthk", x, self.q[...].astype(dtype))
@@ -121,6 +124,8 @@ class Attention(nnx.Module):
     scores = jnp.einsum("btkgd,bskd->bkgts", q, keys.astype(dtype)).astype(jnp.float32)
     scores = scores * (head_dim ** -0.5)
     visible = key_positions[:, None, None, None, :] <= positions[:, None, None, :, None]
+    if segment_ids is not None:
+      visible &= segment_ids[:, None, None, None, :] == segment_ids[:, None, None, :, None]
     scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, values.astype(dtype))
@@ -151,8 +156,8 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(config.d_model, config.norm_eps, rngs)
     self.mlp = MLP(config, rngs)
 
-  def __call__(self, x, positions, cache_kv):
-    attn_out, new_cache = self.attn(self.attn_norm(x), positions, cache_kv)
+  def __call__(self, x, positions, cache_kv, segment_ids=None):
+    attn_out, new_cache = self.attn(self.attn_norm(x), positions, cache_kv, segment_ids)
     x = x + attn_out
     return x + self.mlp(self.mlp_norm(x)), new_cache
 
@@ -171,9 +176,17 @@ class Decoder(nnx.Module):
       self.lm_head = _param(rngs, nnx.initializers.normal(stddev=config.d_model ** -0.5),
                             (config.d_model, config.vocab_size), ("embed", "vocab"))
 
-  def __call__(self, tokens, positions=None, cache: KVCache | None = None):
+  def __call__(self, tokens, positions=None, cache: KVCache | None = None, segment_ids=None):
     if tokens.ndim != 2:
       raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
+    if segment_ids is not None:
+      if cache is not None:
+        raise ValueError("segment_ids (packed rows) cannot be used with a KV cache")
+      if positions is None:
+        raise ValueError("segment_ids (packed rows) need positions that restart in each segment")
+      if segment_ids.shape != tokens.shape:
+        raise ValueError(f"segment_ids must be shaped like tokens {tokens.shape}, got "
+                         f"{segment_ids.shape}")
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     dtype = jnp.dtype(self.config.dtype)
@@ -181,7 +194,7 @@ class Decoder(nnx.Module):
     new_keys, new_values = [], []
     for i, block in enumerate(self.blocks):
       layer_cache = None if cache is None else (cache.keys[i], cache.values[i])
-      x, layer_new = block(x, positions, layer_cache)
+      x, layer_new = block(x, positions, layer_cache, segment_ids)
       if layer_new is not None:
         new_keys.append(layer_new[0])
         new_values.append(layer_new[1])
@@ -220,7 +233,8 @@ def abstract_params(config: ModelConfig):
   return graphdef, params, param_logical_axes(model)
 
 
-def apply(graphdef, params, tokens, positions=None, cache: KVCache | None = None):
+def apply(graphdef, params, tokens, positions=None, cache: KVCache | None = None,
+          segment_ids=None):
   """Pure forward pass: merge the module inside the traced function and run it."""
   model = nnx.merge(graphdef, params)
-  return model(tokens, positions, cache)
+  return model(tokens, positions, cache, segment_ids)

@@ -26,7 +26,7 @@ def _groups():
 
 def test_layout_prompt_then_response_right_padded():
   batch = collate(_groups(), seq_len=9, pad_id=0)
-  assert isinstance(batch, TrainBatch) and batch.batch_size == 4
+  assert isinstance(batch, TrainBatch) and batch.num_rows == batch.num_samples == 4
   assert batch.tokens.dtype == np.int32 and batch.tokens.shape == (4, 9)
   np.testing.assert_array_equal(batch.tokens, [
       [1, 5, 6, 4, 6, 5, 2, 0, 0],
