@@ -139,17 +139,21 @@ def collate(groups: Sequence[Sequence[Sample]], seq_len: int, pad_id: int = 0,
 
 
 def packed_rows(needed: int, row_multiple: int = 8) -> int:
-  """The row count a packed batch is padded to: `row_multiple` times a power of two >= needed.
+  """The row count a packed batch is padded to: `row_multiple` times 2^k or 3 * 2^k (>= needed).
 
-  A handful of shapes per run (so a handful of compilations), and a multiple of the devices a
-  batch is split over when row_multiple is.
+  A handful of shapes per run (so a handful of compilations), at most a third of the rows
+  padding past the smallest sizes, and a multiple of the devices a batch is split over when
+  row_multiple is.
   """
   if needed < 1 or row_multiple < 1:
     raise ValueError(f"needed and row_multiple must be >= 1, got {needed}, {row_multiple}")
-  rows = row_multiple
-  while rows < needed:
-    rows *= 2
-  return rows
+  units = -(-needed // row_multiple)
+  size = 1
+  while size < units:
+    if size * 3 // 2 >= units and size >= 2:
+      return row_multiple * (size * 3 // 2)
+    size *= 2
+  return row_multiple * size
 
 
 def pack(groups: Sequence[Sequence[Sample]], row_length: int, pad_id: int = 0,

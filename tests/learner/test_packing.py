@@ -94,6 +94,13 @@ def test_pack_places_every_token_of_every_sample_once(lengths, row_multiple):
   assert batch.response_mask.sum() == sum(s.num_response_tokens for s in samples)
 
 
+def test_packed_rows_are_few_shapes_with_bounded_padding():
+  sizes = [packed_rows(n, 1) for n in range(1, 97)]
+  assert sorted(set(sizes)) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96]
+  assert all(n <= size <= max(2, 1.5 * n) for n, size in zip(range(1, 97), sizes))
+  assert [packed_rows(n, 8) for n in (1, 8, 9, 17, 25, 33)] == [8, 8, 16, 24, 32, 48]
+
+
 def test_pack_uses_fewer_rows_than_collate_on_a_long_tail():
   groups = _groups(_long_tail_lengths(0, num_groups=8))
   packed, padded = pack(groups, ROW), collate(groups, ROW)
