@@ -20,6 +20,19 @@ import orbax.checkpoint as ocp
 from jaxrl_async.learner.step import TrainState
 
 
+def check_run_dir(run_dir: str | os.PathLike, resume: bool) -> None:
+  """A fresh run (resume=False) must not start over a run_dir that already has checkpoints:
+  it would mix two runs' metrics and fail when it reaches a saved version."""
+  directory = os.path.join(os.fspath(run_dir), "checkpoints")
+  if resume or not os.path.isdir(directory):
+    return
+  steps = sorted(int(name) for name in os.listdir(directory) if name.isdigit())
+  if steps:
+    raise ValueError(
+        f"run_dir {os.fspath(run_dir)!r} already holds checkpoints (policy versions {steps}); "
+        "continue it with --resume (resume=True) or choose a new run_dir")
+
+
 def _state_tree(state: TrainState) -> dict:
   return {"step": state.step, "params": state.params, "opt_state": state.opt_state}
 

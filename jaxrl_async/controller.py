@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from jaxrl_async import sharding
-from jaxrl_async.checkpoint import RunCheckpointer
+from jaxrl_async.checkpoint import RunCheckpointer, check_run_dir
 from jaxrl_async.config import RunConfig
 from jaxrl_async.learner import step as step_lib
 from jaxrl_async.learner.batching import bucket_length, collate, longest_sequence, pack
@@ -175,6 +175,7 @@ def run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = False,
 
 def run_parts(parts: Parts, run_dir: str | os.PathLike, *, resume: bool = False,
               progress: bool = True, log=print) -> dict[str, float]:
+  check_run_dir(run_dir, resume)
   os.makedirs(run_dir, exist_ok=True)
   try:
     if parts.config.is_async:

@@ -15,8 +15,9 @@ import sys
 import time
 
 import gin
+from jaxrl_async import compilation_cache, controller
 from jaxrl_async import config as config_lib
-from jaxrl_async import controller
+from jaxrl_async.checkpoint import check_run_dir
 
 GIN_DIR = pathlib.Path(__file__).resolve().parent.parent / "gin"
 DEFAULT_GIN = "gin/modes/async_partial.gin"
@@ -73,16 +74,18 @@ def _qualify(binding: str) -> str:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  compilation_cache.enable()
   try:
     load_config(args.gin_file or [DEFAULT_GIN], args.gin_bindings)
     # Build the RunConfig and the run's parts now, so a bad setting fails before any training.
     config = gin.get_configurable(config_lib.RunConfig)()
+    run_dir = args.run_dir or os.path.join(
+        "runs", f"{config.mode}-{time.strftime('%Y%m%d-%H%M%S')}")
+    check_run_dir(run_dir, args.resume)
     parts = controller.build(config)
   except (ValueError, TypeError, FileNotFoundError) as error:
     print(f"jaxrl-async train: configuration error: {error}", file=sys.stderr)
     return 2
-  run_dir = args.run_dir or os.path.join(
-      "runs", f"{config.mode}-{time.strftime('%Y%m%d-%H%M%S')}")
   os.makedirs(run_dir, exist_ok=True)
   with open(os.path.join(run_dir, "config.gin"), "w", encoding="utf-8") as f:
     f.write(gin.config_str())

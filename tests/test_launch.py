@@ -90,6 +90,13 @@ def test_tiny_run_writes_operative_config_and_prints_its_outputs(tmp_path, capsy
   assert repr(reparsed) == repr(expected)
   assert reparsed.mode == "sync" and reparsed.total_samples == 16
 
+  # The same run_dir again without --resume: refused at start, naming the way out.
+  metrics_before = (run_dir / "metrics.jsonl").read_text()
+  assert train.main(train_args(run_dir, *TINY_RUN)) == 2
+  err = capsys.readouterr().err
+  assert "already holds checkpoints" in err and "--resume" in err, err
+  assert (run_dir / "metrics.jsonl").read_text() == metrics_before  # nothing was touched
+
 
 def test_cli_help_and_unknown_command(capsys):
   assert cli.main(["--help"]) == 0

@@ -1,0 +1,185 @@
+"""How much can running the roles concurrently gain on this machine? One JSON line of ratios.
+
+The async modes gain over sync only by running generation and training at the same time, so
+their speedup is bounded by how much two concurrent computations get done compared with running
+them one after the other. Measured side by side in one invocation:
+
+- `python_processes`: pure-Python work, 2 processes at once vs one after the other;
+- `xla_processes`: a jitted matmul chain (float32, n x n), 2 processes vs one after the other;
+- `xla_threads`: the same chain in 2 threads of one process (how the roles run);
+- `roles`: the default run's learner update loop and rollout loop (generation + reward) on
+  their own, then both at once in two threads: the ceiling of async samples/s over sync
+  samples/s for this workload, before any pipeline coupling between the roles.
+
+A speedup of 2.0 means two computations cost the time of one; 1.0 means no gain at all.
+
+    python benchmarks/concurrency_ceiling.py [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import emit_json_line
+
+
+def _python_work(_=None) -> None:
+  total = 0
+  for i in range(15_000_000):
+    total += i
+
+
+def _xla_chain(n: int):
+  import jax
+  import jax.numpy as jnp
+
+  @jax.jit
+  def chain(x):
+    for _ in range(4):
+      x = jnp.tanh(x @ x)
+    return x
+
+  x = jnp.full((n, n), 0.01, jnp.float32)
+  chain(x).block_until_ready()
+  return chain, x
+
+
+def _xla_work(n: int, calls: int = 300):
+  chain, x = _xla_chain(n)  # compiled before the clock starts
+
+  def work():
+    y = x
+    for _ in range(calls):
+      y = chain(y)
+    y.block_until_ready()
+  return work
+
+
+def _worker(kind: str, arg, barrier) -> tuple[float, float]:
+  """Prepare, wait for the other workers, then run the work: (start, end) wall-clock times."""
+  work = _xla_work(arg) if kind == "xla" else _python_work
+  barrier.wait()
+  began = time.time()
+  work()
+  return began, time.time()
+
+
+def _two_processes(kind: str, arg) -> dict:
+  context = mp.get_context("spawn")
+  spans = {}
+  with context.Manager() as manager:
+    for workers in (1, 2):
+      barrier = manager.Barrier(workers)
+      with context.Pool(workers) as pool:
+        results = pool.starmap(_worker, [(kind, arg, barrier)] * workers)
+      spans[workers] = max(end for _, end in results) - min(start for start, _ in results)
+  return {"one_s": spans[1], "two_at_once_s": spans[2], "speedup": 2 * spans[1] / spans[2]}
+
+
+def _two_threads(fn) -> dict:
+  began = time.perf_counter()
+  fn()
+  alone = time.perf_counter() - began
+  threads = [threading.Thread(target=fn) for _ in range(2)]
+  began = time.perf_counter()
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join()
+  both = time.perf_counter() - began
+  return {"one_s": alone, "two_at_once_s": both, "speedup": 2 * alone / both}
+
+
+def _roles(batches: int) -> dict:
+  """The learner loop and the rollout loop of the default run: alone, then in two threads."""
+  import jax
+
+  import gin
+  from jaxrl_async import compilation_cache, controller
+  from jaxrl_async.config import RunConfig
+  from launch.train import DEFAULT_GIN, load_config
+  compilation_cache.enable()
+  load_config([DEFAULT_GIN], [])
+  parts = controller.build(gin.get_configurable(RunConfig)(), log=lambda *a: None)
+  cfg = parts.config
+  batcher = parts.new_batcher()
+  batcher.set_params(parts.engine.load_params(controller.copy_params(parts.state.params)), 0)
+  next_group = [0]
+
+  def rollout_batch():
+    requests = []
+    for _ in range(cfg.groups_per_update):
+      requests += controller.make_group_requests(next(parts.prompt_iterator), next_group[0],
+                                                 cfg.group_size, cfg.seed)
+      next_group[0] += 1
+    samples = parts.rewards.score_all(batcher.run_to_completion(requests))
+    return controller._assemble_groups(samples, cfg.group_size, {})
+
+  data = [rollout_batch() for _ in range(16)]
+  state = [parts.state]
+
+  def learn(n):
+    for i in range(n):
+      state[0], metrics = controller.learner_update(parts, state[0], data[i % len(data)], None,
+                                                    0, 0)
+      jax.device_get(metrics)
+
+  def roll(n):
+    for _ in range(n):
+      rollout_batch()
+
+  learn(3 * len(data))  # every packed shape of the data compiled
+  roll(batches // 4)
+  began = time.perf_counter()
+  learn(batches)
+  learner_s = time.perf_counter() - began
+  began = time.perf_counter()
+  roll(batches)
+  rollout_s = time.perf_counter() - began
+  threads = [threading.Thread(target=learn, args=(batches,)),
+             threading.Thread(target=roll, args=(batches,))]
+  previous = sys.getswitchinterval()
+  sys.setswitchinterval(5e-4)  # as in async runs
+  began = time.perf_counter()
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join()
+  both_s = time.perf_counter() - began
+  sys.setswitchinterval(previous)
+  parts.rewards.close()
+  return {"batches": batches, "learner_ms_per_batch": 1e3 * learner_s / batches,
+          "rollout_ms_per_batch": 1e3 * rollout_s / batches,
+          "both_in_threads_ms_per_batch": 1e3 * both_s / batches,
+          "speedup": (learner_s + rollout_s) / both_s}
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--matrix", type=int, default=256, help="n of the n x n matmul chain")
+  parser.add_argument("--batches", type=int, default=200, help="batches per role loop")
+  parser.add_argument("--out", default=None)
+  args = parser.parse_args(argv)
+  record = {"benchmark": "concurrency_ceiling", "cpu_count": os.cpu_count(),
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")}
+  print("python processes ...", file=sys.stderr, flush=True)
+  record["python_processes"] = _two_processes("python", None)
+  print("xla processes ...", file=sys.stderr, flush=True)
+  record["xla_processes"] = _two_processes("xla", args.matrix)
+  print("xla threads ...", file=sys.stderr, flush=True)
+  record["xla_threads"] = _two_threads(_xla_work(args.matrix))
+  print("roles (default run) ...", file=sys.stderr, flush=True)
+  record["roles"] = _roles(args.batches)
+  emit_json_line(record, args.out)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
