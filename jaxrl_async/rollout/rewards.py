@@ -4,8 +4,12 @@ The outcome is written on the sample (`reward`, `reward_status`, `retries`, the 
 timestamp); nothing is dropped here. A failed or timed-out sample keeps reward NaN and its status
 says why, so the buffer counts it under `reward_failed` / `reward_timeout`.
 
-A timed-out call cannot be killed (it is a Python thread): it is abandoned and keeps its worker
-until it returns, so the call pool is larger than the driver pool. `close()` returns without
+Samples are scored in batches (`submit_many`, `score_all`): a driver thread hands a batch to one
+call thread, which runs the reward function on each sample in turn, while the driver waits for
+each result with the timeout. Two thread hand-offs per batch rather than per sample keep the
+pool cheap when rewards are fast. A timed-out call cannot be killed (it is a Python thread): it
+is abandoned with its call thread until it returns, and the rest of the batch continues on
+another call thread, so the call pool is larger than the driver pool. `close()` returns without
 waiting for abandoned calls.
 """
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import math
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -47,50 +52,78 @@ class RewardPool:
   def _busy(self):
     return self.timer.busy("reward") if self.timer is not None else contextlib.nullcontext()
 
-  def _call_once(self, sample: Sample) -> float:
-    future = self._calls.submit(self.reward_fn, sample.prompt_tokens, sample.response_tokens,
-                                sample.meta)
-    return future.result(timeout=self.timeout_s)
+  def _run_calls(self, samples: list[Sample], results: queue.SimpleQueue,
+                 abandoned: threading.Event) -> None:
+    """In a call thread: the reward of each sample in turn, as (ok, value or error)."""
+    for sample in samples:
+      if abandoned.is_set():
+        return
+      try:
+        results.put((True, self.reward_fn(sample.prompt_tokens, sample.response_tokens,
+                                          sample.meta)))
+      except Exception as error:  # a verifier's error is data here: counted, retried
+        results.put((False, error))
 
   def score(self, sample: Sample) -> Sample:
     """Score one sample in the calling thread (blocking, bounded by the retries' timeouts)."""
-    with self._busy():
-      return self._score(sample)
+    return self.score_many([sample])[0]
 
-  def _score(self, sample: Sample) -> Sample:
-    status = RewardStatus.FAILED
-    for attempt in range(self.max_retries + 1):
-      if attempt:
-        sample.retries += 1
-      try:
-        value = float(self._call_once(sample))
-      except cf.TimeoutError:
-        status = RewardStatus.TIMEOUT
-        continue
-      except Exception:  # a verifier's error is data here: counted, retried, never fatal
-        status = RewardStatus.FAILED
-        continue
-      if not math.isfinite(value):
-        status = RewardStatus.FAILED
-        continue
-      sample.reward, status = value, RewardStatus.OK
-      break
+  def score_many(self, samples: list[Sample]) -> list[Sample]:
+    """Score samples in the calling thread; each call is bounded by `timeout_s`, and a failed,
+    non-finite or timed-out call is retried up to `max_retries` times."""
+    with self._busy():
+      status = [RewardStatus.FAILED] * len(samples)
+      todo = list(range(len(samples)))
+      while todo:
+        batch, todo = todo, []
+        results: queue.SimpleQueue = queue.SimpleQueue()
+        abandoned = threading.Event()
+        self._calls.submit(self._run_calls, [samples[i] for i in batch], results, abandoned)
+        for position, i in enumerate(batch):
+          try:
+            ok, value = results.get(timeout=self.timeout_s)
+          except queue.Empty:  # this call hangs: abandon it, go on with the rest elsewhere
+            abandoned.set()
+            status[i] = RewardStatus.TIMEOUT
+            self._retry_or_finish(samples[i], status[i], todo, i)
+            todo.extend(batch[position + 1:])
+            break
+          if ok and math.isfinite(value := float(value)):
+            samples[i].reward, status[i] = value, RewardStatus.OK
+            self._finish(samples[i], status[i])
+          else:
+            status[i] = RewardStatus.FAILED
+            self._retry_or_finish(samples[i], status[i], todo, i)
+      return samples
+
+  def _retry_or_finish(self, sample: Sample, status: RewardStatus, todo: list, index: int):
+    if sample.retries < self.max_retries:
+      sample.retries += 1
+      todo.append(index)
+    else:
+      self._finish(sample, status)
+
+  def _finish(self, sample: Sample, status: RewardStatus) -> None:
     sample.reward_status = status.value
     sample.stamp("rewarded", self.clock())
     with self._lock:
       self.counts[status.value] += 1
       self.counts["retries"] += sample.retries
-    return sample
 
   def submit(self, sample: Sample) -> cf.Future:
     """Score in the pool; the future resolves to the sample (never raises for reward errors)."""
     return self._drivers.submit(self.score, sample)
 
+  def submit_many(self, samples: list[Sample]) -> cf.Future:
+    """Score a batch in the pool; the future resolves to the same list, scored."""
+    return self._drivers.submit(self.score_many, list(samples))
+
   def score_all(self, samples: list[Sample]) -> list[Sample]:
-    futures = [self.submit(s) for s in samples]
-    waves = math.ceil(len(samples) / self.num_workers)
-    deadline = time.monotonic() + waves * (self.max_retries + 1) * self.timeout_s + 5.0
-    return [f.result(timeout=max(deadline - time.monotonic(), 0.1)) for f in futures]
+    """Score samples in `num_workers` batches at once; returns them in order."""
+    chunk = max(1, math.ceil(len(samples) / self.num_workers))
+    futures = [self.submit_many(samples[i:i + chunk]) for i in range(0, len(samples), chunk)]
+    deadline = time.monotonic() + chunk * (self.max_retries + 1) * self.timeout_s + 5.0
+    return [s for f in futures for s in f.result(timeout=max(deadline - time.monotonic(), 0.1))]
 
   def close(self) -> None:
     self._drivers.shutdown(wait=False, cancel_futures=True)

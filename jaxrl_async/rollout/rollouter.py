@@ -115,8 +115,8 @@ class Rollouter(RoleThread):
       if self.batcher.num_active or (self.batcher.num_pending and not self._draining):
         with self.timer.busy("rollout"):
           finished = self.batcher.step(admit=not self._draining)
-        for sample in finished:
-          self._to_reward(sample)
+        if finished:
+          self._to_reward(finished)
       else:
         self._wait_for_work()
 
@@ -188,14 +188,27 @@ class Rollouter(RoleThread):
     self.channel.wait_for_version(self.batcher.version, timeout=self.poll_s)
 
   # ---- reward and hand-off -------------------------------------------------------------------
-  def _to_reward(self, sample) -> None:
+  def _to_reward(self, samples) -> None:
+    """The samples finished by one step, scored as one batch, then put into the buffer."""
     with self._lock:
-      self._rewarding += 1
-    self.rewards.submit(sample).add_done_callback(self._on_rewarded)
+      self._rewarding += len(samples)
+    count = len(samples)
+    self.rewards.submit_many(samples).add_done_callback(
+        lambda future: self._on_rewarded(future, count))
 
-  def _on_rewarded(self, future) -> None:
+  def _on_rewarded(self, future, count: int) -> None:
     try:
-      sample = future.result()
+      for sample in future.result():
+        self._put(sample)
+    except BaseException as error:  # the reward pool itself failed (shut down under us)
+      self._fail(error)
+    finally:
+      with self._rewarding_cv:
+        self._rewarding -= count
+        self._rewarding_cv.notify_all()
+
+  def _put(self, sample) -> None:
+    try:
       self.buffer.put(sample, timeout=self.put_timeout_s)
       with self._lock:
         entry = self._inflight.get(sample.group_id)
@@ -207,13 +220,12 @@ class Rollouter(RoleThread):
       with self._lock:
         self.counts["shutdown"] += 1
     except BaseException as error:  # a full buffer past its timeout is a role failure
-      if self.error is None:
-        self.error = error
-      self._stop.set()
-    finally:
-      with self._rewarding_cv:
-        self._rewarding -= 1
-        self._rewarding_cv.notify_all()
+      self._fail(error)
+
+  def _fail(self, error: BaseException) -> None:
+    if self.error is None:
+      self.error = error
+    self._stop.set()
 
   def _shutdown_accounting(self) -> None:
     aborted = self.batcher.abort_active() + [r.sample for r in self.batcher.take_pending()]

@@ -106,6 +106,21 @@ def test_timeouts_do_not_block_the_other_samples(verifier):
   assert elapsed < 5 * TIMEOUT_S
 
 
+def test_a_hung_call_in_a_batch_does_not_hold_the_rest(verifier):
+  pool = RewardPool(verifier, num_workers=1, timeout_s=TIMEOUT_S, max_retries=0)
+  try:
+    begin = time.monotonic()
+    done = pool.submit_many(_samples(["ok", "sleep", "ok", "raise", "ok"])).result(timeout=10)
+    elapsed = time.monotonic() - begin
+  finally:
+    pool.close()
+  assert [s.reward_status for s in done] == ["ok", "timeout", "ok", "failed", "ok"]
+  assert [s.reward for s in done if s.reward_status == "ok"] == [2.0, 2.0, 2.0]
+  assert verifier.calls == {"ok": 3, "sleep": 1, "raise": 1}  # nothing run twice
+  assert elapsed < 3 * TIMEOUT_S  # one timeout, then the rest on another call thread
+  assert pool.counts == {"ok": 3, "failed": 1, "timeout": 1, "retries": 0}
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"num_workers": 0}, r"num_workers must be >= 1, got 0"),
     ({"timeout_s": 0.0}, r"timeout_s must be > 0, got 0.0"),
