@@ -63,6 +63,9 @@ class RewardPool:
                                           sample.meta)))
       except Exception as error:  # a verifier's error is data here: counted, retried
         results.put((False, error))
+      except BaseException as error:  # KeyboardInterrupt, SystemExit: the caller's to raise
+        results.put((None, error))
+        return
 
   def score(self, sample: Sample) -> Sample:
     """Score one sample in the calling thread (blocking, bounded by the retries' timeouts)."""
@@ -88,6 +91,8 @@ class RewardPool:
             self._retry_or_finish(samples[i], status[i], todo, i)
             todo.extend(batch[position + 1:])
             break
+          if ok is None:
+            raise value
           if ok and math.isfinite(value := float(value)):
             samples[i].reward, status[i] = value, RewardStatus.OK
             self._finish(samples[i], status[i])

@@ -1,0 +1,81 @@
+"""Ctrl-C (SIGINT) in an async run: the command stops within seconds with exit code 130 and a
+checkpoint, and `--resume` continues from it to the end."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jaxrl_async.metrics import read_jsonl
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PER_VERSION = 2 * 4  # mini_batch_size x group_size
+BINDINGS = (
+    "DigitReverseTask.max_len = 8",
+    "WarmStartConfig.steps = 20",
+    "WarmStartConfig.batch_size = 16",
+    "RunConfig.group_size = 4",
+    "RunConfig.mini_batch_size = 2",
+    "RunConfig.max_concurrent_decodes = 8",
+    "RunConfig.eval_size = 16",
+    "RunConfig.eval_every_versions = 1000",
+    "RunConfig.checkpoint_every_versions = 100000",
+)
+STOP_WITHIN_S = 15.0
+
+
+def _command(run_dir, total_samples, *extra):
+  command = [sys.executable, "-m", "launch.train", "--gin_file", "gin/modes/async_partial.gin",
+             "--run_dir", str(run_dir), "--no_progress", *extra]
+  for binding in (*BINDINGS, f"RunConfig.total_samples = {total_samples}"):
+    command += ["--gin_bindings", binding]
+  return command
+
+
+def _versions(run_dir):
+  path = os.path.join(run_dir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  try:
+    return [r["policy_version"] for r in read_jsonl(path) if "algo/version_gap_max" in r]
+  except ValueError:  # a line being written
+    return []
+
+
+@pytest.mark.slow
+def test_sigint_stops_an_async_run_with_a_checkpoint_that_resumes(tmp_path):
+  env = {**os.environ, "JAXRL_ASYNC_CACHE": str(tmp_path / "cache"),
+         "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  run_dir = tmp_path / "run"
+  process = subprocess.Popen(_command(run_dir, 10_000_000), cwd=ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.monotonic() + 240
+    while len(_versions(run_dir)) < 3:
+      assert process.poll() is None, process.communicate()
+      assert time.monotonic() < deadline, "the run did not reach version 3 in time"
+      time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    began = time.monotonic()
+    out, err = process.communicate(timeout=60)
+    stopped_after = time.monotonic() - began
+  finally:
+    if process.poll() is None:
+      process.kill()
+  assert process.returncode == 130, (out, err)
+  assert stopped_after < STOP_WITHIN_S, stopped_after
+  assert "interrupted; resume with --resume" in err, err
+  steps = sorted(int(n) for n in os.listdir(run_dir / "checkpoints") if n.isdigit())
+  assert len(steps) == 1 and steps[0] >= 3, steps  # only the interrupt wrote a checkpoint
+  saved = steps[0]
+
+  # Resume with a budget two versions past the checkpoint: it finishes there.
+  resumed = subprocess.run(_command(run_dir, (saved + 2) * PER_VERSION, "--resume"), cwd=ROOT,
+                           env=env, capture_output=True, text=True, timeout=300)
+  assert resumed.returncode == 0, resumed.stderr
+  versions = _versions(run_dir)
+  assert versions[-2:] == [saved + 1, saved + 2], versions
+  assert sorted(set(versions)) == list(range(1, saved + 3))  # no version missing
