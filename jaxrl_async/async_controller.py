@@ -132,6 +132,8 @@ def _run_async(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print
                     acc=f"{last_eval.get('eval/accuracy', float('nan')):.3f}",
                     gap=f"{record['algo/version_gap_max']:.0f}")
     bar.update(1)
+    if learner.stopping:  # Ctrl-C: the controller saves once both roles have stopped
+      return
     if at_version % cfg.eval_every_versions == 0:
       run_eval(at_version, learner_state)
     if at_version % cfg.checkpoint_every_versions == 0 or at_version == cfg.num_versions:
@@ -218,6 +220,8 @@ def save_checkpoint_after_stop(checkpointer, learner, parts, totals, timer, buff
   """After Ctrl-C: both roles have stopped (the rollouter counts as paused once its thread has
   ended), so the snapshot is consistent; the groups in flight are re-issued on resume. Updates
   of a version window cut short are kept in the state and the window restarts on resume."""
+  if checkpointer.latest_step() == learner.version:
+    return  # saved at this very version just before the stop: that checkpoint is consistent
   snapshot = rollouter.snapshot()
   state = buffer.get_state()
   checkpointer.save(learner.version, learner.state, parts.prompt_iterator, {

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import jax
 
-from jaxrl_async.buffer import BufferTimeout, VersionedBuffer
+from jaxrl_async.buffer import BufferClosed, BufferTimeout, VersionedBuffer
 from jaxrl_async.metrics import RoleTimer, staleness_metrics, sum_pairs
 from jaxrl_async.roles import RoleThread
 from jaxrl_async.sync.channel import WeightChannel
@@ -87,18 +87,25 @@ class LearnerRole(RoleThread):
     self.done.set()
 
   def _take_ready_groups(self):
-    """The next update's groups if they are already queued (never blocks)."""
+    """The next update's groups if they are already queued (never blocks, never raises for a
+    closed buffer: the version just trained must still be published and recorded)."""
     try:
       return self.buffer.get_groups(self.groups_per_update, self.version, timeout=1e-3)
-    except BufferTimeout:
+    except (BufferTimeout, BufferClosed):
       return None
+
+  @property
+  def stopping(self) -> bool:
+    return self._stop.is_set()
 
   def run(self) -> None:
     if self.channel.latest_version() < self.version:
       with self.timer.busy("sync"):
         self.channel.publish(self.version, self.state.params)
     ready = None  # groups taken for this version before it was published
-    while self.version < self.num_versions and not self._stop.is_set():
+    # Groups already taken are trained on even when a stop comes meanwhile: they have left the
+    # buffer (counted as consumed), so dropping them here would lose them silently.
+    while self.version < self.num_versions and (ready is not None or not self._stop.is_set()):
       window_params = self.copy_params(self.state.params) if self.needs_window_params else None
       consumed, accumulated = [], {}
       for local in range(self.trigger):
@@ -117,7 +124,7 @@ class LearnerRole(RoleThread):
       # Groups already queued are taken at the new version before it is announced, so the
       # rollouter's new admission window does not count them as carried over (they are
       # consumed, with their gap measured against the new version).
-      if self.version < self.num_versions:
+      if self.version < self.num_versions and not self._stop.is_set():
         ready = self._take_ready_groups()
       with self.timer.busy("sync"):
         self.channel.publish(self.version, self.state.params)

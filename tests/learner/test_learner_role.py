@@ -316,3 +316,31 @@ def test_queued_groups_are_taken_before_the_next_version_is_announced():
   # Version 1 was announced after group 1 had been taken (both samples' groups consumed).
   assert consumed_at_publish == [(0, 0), (1, 2 * GROUP_SIZE), (2, 2 * GROUP_SIZE)]
   assert [p[0] for p in published] == [1, 2]
+
+
+def test_groups_taken_before_a_stop_are_trained_and_recorded():
+  """Ctrl-C between taking the next version's groups and training them: they have left the
+  buffer, so the role trains on them and records that version before it stops."""
+  buffer = make_buffer(1, staleness_threshold=1.0)  # two groups may be queued at once
+  buffer.publish_version(0)
+  for group_id in range(2):
+    buffer.acquire_group_slot(timeout=1.0)
+    for sample in make_group(group_id, (0, 0)):
+      buffer.put(sample, timeout=1.0)
+  channel = DeviceTransferChannel(logical_axes=None)
+  update = CountingUpdate()
+  role, published = make_role(buffer, channel, update, groups_per_update=1, trigger=1,
+                              num_versions=5, on_policy=False, max_version_gap=2)
+
+  def on_version(version, *rest):
+    published.append((version, *rest))
+    if version == 1:  # group 1 was taken for version 1 just before version 1 was announced
+      role.stop()
+  role.on_version = on_version
+  role.start()
+  role.join(JOIN_S)
+  assert role.error is None, role.error
+  assert [call["group_ids"] for call in update.calls] == [[0], [1]]
+  assert [p[0] for p in published] == [1, 2]
+  assert buffer.counts["consumed"] == 2 * GROUP_SIZE
+  buffer.check_invariants()
