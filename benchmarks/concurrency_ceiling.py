@@ -83,17 +83,19 @@ def _two_processes(kind: str, arg) -> dict:
   return {"one_s": spans[1], "two_at_once_s": spans[2], "speedup": 2 * spans[1] / spans[2]}
 
 
-def _two_threads(fn) -> dict:
-  began = time.perf_counter()
-  fn()
-  alone = time.perf_counter() - began
-  threads = [threading.Thread(target=fn) for _ in range(2)]
+def _in_threads(*fns) -> float:
+  """Seconds to run the functions at once, one thread each."""
+  threads = [threading.Thread(target=fn) for fn in fns]
   began = time.perf_counter()
   for thread in threads:
     thread.start()
   for thread in threads:
     thread.join()
-  both = time.perf_counter() - began
+  return time.perf_counter() - began
+
+
+def _two_threads(fn) -> dict:
+  alone, both = _in_threads(fn), _in_threads(fn, fn)
   return {"one_s": alone, "two_at_once_s": both, "speedup": 2 * alone / both}
 
 
@@ -103,6 +105,7 @@ def _roles(batches: int) -> dict:
 
   import gin
   from jaxrl_async import compilation_cache, controller
+  from jaxrl_async.async_controller import GIL_SWITCH_INTERVAL_S
   from jaxrl_async.config import RunConfig
   from launch.train import DEFAULT_GIN, load_config
   compilation_cache.enable()
@@ -137,22 +140,11 @@ def _roles(batches: int) -> dict:
 
   learn(3 * len(data))  # every packed shape of the data compiled
   roll(batches // 4)
-  began = time.perf_counter()
-  learn(batches)
-  learner_s = time.perf_counter() - began
-  began = time.perf_counter()
-  roll(batches)
-  rollout_s = time.perf_counter() - began
-  threads = [threading.Thread(target=learn, args=(batches,)),
-             threading.Thread(target=roll, args=(batches,))]
+  learner_s = _in_threads(lambda: learn(batches))
+  rollout_s = _in_threads(lambda: roll(batches))
   previous = sys.getswitchinterval()
-  sys.setswitchinterval(5e-4)  # as in async runs
-  began = time.perf_counter()
-  for thread in threads:
-    thread.start()
-  for thread in threads:
-    thread.join()
-  both_s = time.perf_counter() - began
+  sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # as in async runs
+  both_s = _in_threads(lambda: learn(batches), lambda: roll(batches))
   sys.setswitchinterval(previous)
   parts.rewards.close()
   return {"batches": batches, "learner_ms_per_batch": 1e3 * learner_s / batches,
