@@ -131,8 +131,8 @@ def sequence_logprobs(graphdef, params, tokens, temperature: float, positions=No
 
   positions / segment_ids: for packed rows (see `batching.pack`), else None.
   """
-  if segment_ids is not None:
-    positions, segment_ids = positions[:, :-1], segment_ids[:, :-1]
+  positions = None if positions is None else positions[:, :-1]
+  segment_ids = None if segment_ids is None else segment_ids[:, :-1]
   logits, _ = apply(graphdef, params, tokens[:, :-1], positions, segment_ids=segment_ids)
   logp = losses.token_logprobs(logits, tokens[:, 1:], temperature)
   return jnp.pad(logp, ((0, 0), (1, 0))), logits

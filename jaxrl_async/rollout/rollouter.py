@@ -190,9 +190,9 @@ class Rollouter(RoleThread):
   # ---- reward and hand-off -------------------------------------------------------------------
   def _to_reward(self, samples) -> None:
     """The samples finished by one step, scored as one batch, then put into the buffer."""
-    with self._lock:
-      self._rewarding += len(samples)
     count = len(samples)
+    with self._lock:
+      self._rewarding += count
     self.rewards.submit_many(samples).add_done_callback(
         lambda future: self._on_rewarded(future, count))
 
