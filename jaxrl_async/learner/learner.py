@@ -90,7 +90,7 @@ class LearnerRole(RoleThread):
     """The next update's groups if they are already queued (never blocks, never raises for a
     closed buffer: the version just trained must still be published and recorded)."""
     try:
-      return self.buffer.get_groups(self.groups_per_update, self.version, timeout=1e-3)
+      return self.buffer.get_groups(self.groups_per_update, self.version, timeout=1e-6)
     except (BufferTimeout, BufferClosed):
       return None
 
