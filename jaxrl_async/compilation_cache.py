@@ -3,7 +3,8 @@
 An update compiles once per packed batch shape (a few seconds each on a CPU); with the cache, a
 second run with the same shapes loads them from disk instead. The cache lives in
 `<cache root>/xla` (`JAXRL_ASYNC_CACHE`, default ~/.cache/jaxrl_async);
-`JAXRL_ASYNC_COMPILATION_CACHE` names another directory, or `off` disables it.
+`JAXRL_ASYNC_COMPILATION_CACHE` names another directory, or `off` disables it. A cache directory
+already set for JAX (`JAX_COMPILATION_CACHE_DIR`) is kept.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def enable(directory: str | os.PathLike | None = None, *, min_compile_time_s: fl
   setting = os.environ.get(ENV, "")
   if setting.lower() in ("off", "0", "false", "no"):
     return None
+  if directory is None and not setting and jax.config.jax_compilation_cache_dir:
+    return jax.config.jax_compilation_cache_dir  # the user's own JAX setting
   directory = os.fspath(directory or setting or default_cache_dir() / "xla")
   os.makedirs(directory, exist_ok=True)
   jax.config.update("jax_compilation_cache_dir", directory)
