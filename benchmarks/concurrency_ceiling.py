@@ -99,7 +99,7 @@ def _two_threads(fn) -> dict:
   return {"one_s": alone, "two_at_once_s": both, "speedup": 2 * alone / both}
 
 
-def _roles(batches: int) -> dict:
+def _roles(batches: int, bindings=()) -> dict:
   """The learner loop and the rollout loop of the default run: alone, then in two threads."""
   import jax
 
@@ -109,7 +109,7 @@ def _roles(batches: int) -> dict:
   from jaxrl_async.config import RunConfig
   from launch.train import DEFAULT_GIN, load_config
   compilation_cache.enable()
-  load_config([DEFAULT_GIN], [])
+  load_config([DEFAULT_GIN], list(bindings))
   parts = controller.build(gin.get_configurable(RunConfig)(), log=lambda *a: None)
   cfg = parts.config
   batcher = parts.new_batcher()
@@ -158,6 +158,8 @@ def main(argv=None) -> int:
   parser.add_argument("--matrix", type=int, default=256, help="n of the n x n matmul chain")
   parser.add_argument("--batches", type=int, default=200, help="batches per role loop")
   parser.add_argument("--out", default=None)
+  parser.add_argument("--gin_bindings", action="append", default=[],
+                      help="bindings on top of the default run's gin file")
   args = parser.parse_args(argv)
   record = {"benchmark": "concurrency_ceiling", "cpu_count": os.cpu_count(),
             "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")}
@@ -168,7 +170,7 @@ def main(argv=None) -> int:
   print("xla threads ...", file=sys.stderr, flush=True)
   record["xla_threads"] = _two_threads(_xla_work(args.matrix))
   print("roles (default run) ...", file=sys.stderr, flush=True)
-  record["roles"] = _roles(args.batches)
+  record["roles"] = _roles(args.batches, args.gin_bindings)
   emit_json_line(record, args.out)
   return 0
 

@@ -33,9 +33,11 @@ def main(argv=None) -> int:
   parser.add_argument("--batches", type=int, default=30)
   parser.add_argument("--repeats", type=int, default=5, help="passes over the batches")
   parser.add_argument("--out", default=None)
+  parser.add_argument("--gin_bindings", action="append", default=[],
+                      help="bindings on top of the default run's gin file")
   args = parser.parse_args(argv)
   compilation_cache.enable()
-  load_config([DEFAULT_GIN], [])
+  load_config([DEFAULT_GIN], args.gin_bindings)
   parts = controller.build(gin.get_configurable(RunConfig)(), log=lambda *a: None)
   cfg = parts.config
   batcher = parts.new_batcher()

@@ -1,0 +1,70 @@
+"""The benchmark scripts run end to end on a tiny configuration and print their JSON fields.
+(Their figures are measured by running them as documented in benchmarks/; nothing here times.)"""
+
+import json
+
+import pytest
+
+import gin
+from benchmarks import concurrency_ceiling, learner_step, modes
+
+TINY = ("DigitReverseTask.max_len = 8", "WarmStartConfig.steps = 20",
+        "WarmStartConfig.batch_size = 16", "RunConfig.group_size = 4",
+        "RunConfig.mini_batch_size = 2", "RunConfig.max_concurrent_decodes = 8",
+        "RunConfig.eval_size = 16")
+
+
+@pytest.fixture(autouse=True)
+def clean_gin():
+  yield
+  gin.clear_config()
+
+
+def _bindings(*extra):
+  return [arg for binding in (*TINY, *extra) for arg in ("--gin_bindings", binding)]
+
+
+def _read(path):
+  with open(path, encoding="utf-8") as f:
+    return json.loads(f.readline())
+
+
+@pytest.mark.slow
+def test_learner_step_compares_packed_and_padded(tmp_path):
+  out = tmp_path / "learner_step.json"
+  assert learner_step.main(["--batches", "2", "--repeats", "1", "--out", str(out),
+                            *_bindings()]) == 0
+  record = _read(out)
+  assert record["samples_per_batch"] == 8
+  for layout in ("packed", "one_row_per_sample"):
+    assert record[layout]["ms_per_update"] > 0
+    assert record[layout]["tokens_laid_out_per_batch"] >= record["real_tokens_per_batch"]
+  assert (record["packed"]["tokens_laid_out_per_batch"]
+          <= record["one_row_per_sample"]["tokens_laid_out_per_batch"])
+
+
+@pytest.mark.slow
+def test_modes_runs_each_mode_and_compares_with_sync(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)  # modes.py changes to the repository root; restored afterwards
+  out = tmp_path / "modes"
+  assert modes.main(["--total_samples", "32", "--modes", "sync,async_partial",
+                     "--warmup_samples", "16", "--eval_every_versions", "2", "--out", str(out),
+                     *_bindings()]) == 0
+  with open(f"{out}.json", encoding="utf-8") as f:
+    result = json.load(f)
+  assert set(result["modes"]) == {"sync", "async_partial"}
+  assert result["modes"]["sync"]["samples_per_s_vs_sync"] == 1.0
+  for row in result["modes"].values():
+    assert 0.0 <= row["final_accuracy"] <= 1.0 and row["samples_per_s"] > 0
+  assert result["modes"]["sync"]["version_gap_max"] == 0
+  assert (tmp_path / "modes.png").is_file()
+
+
+@pytest.mark.slow
+def test_concurrency_ceiling_reports_every_pair(tmp_path):
+  out = tmp_path / "ceiling.json"
+  assert concurrency_ceiling.main(["--matrix", "32", "--batches", "4", "--out", str(out),
+                                   *_bindings()]) == 0
+  record = _read(out)
+  for part in ("python_processes", "xla_processes", "xla_threads", "roles"):
+    assert record[part]["speedup"] > 0, part
