@@ -75,7 +75,6 @@ class RewardPool:
     """Score samples in the calling thread; each call is bounded by `timeout_s`, and a failed,
     non-finite or timed-out call is retried up to `max_retries` times."""
     with self._busy():
-      status = [RewardStatus.FAILED] * len(samples)
       todo = list(range(len(samples)))
       while todo:
         batch, todo = todo, []
@@ -87,18 +86,17 @@ class RewardPool:
             ok, value = results.get(timeout=self.timeout_s)
           except queue.Empty:  # this call hangs: abandon it, go on with the rest elsewhere
             abandoned.set()
-            status[i] = RewardStatus.TIMEOUT
-            self._retry_or_finish(samples[i], status[i], todo, i)
+            self._retry_or_finish(samples[i], RewardStatus.TIMEOUT, todo, i)
             todo.extend(batch[position + 1:])
             break
           if ok is None:
             raise value
-          if ok and math.isfinite(value := float(value)):
-            samples[i].reward, status[i] = value, RewardStatus.OK
-            self._finish(samples[i], status[i])
+          reward = _finite_float(value) if ok else None
+          if reward is None:
+            self._retry_or_finish(samples[i], RewardStatus.FAILED, todo, i)
           else:
-            status[i] = RewardStatus.FAILED
-            self._retry_or_finish(samples[i], status[i], todo, i)
+            samples[i].reward = reward
+            self._finish(samples[i], RewardStatus.OK)
       return samples
 
   def _retry_or_finish(self, sample: Sample, status: RewardStatus, todo: list, index: int):
@@ -133,3 +131,12 @@ class RewardPool:
   def close(self) -> None:
     self._drivers.shutdown(wait=False, cancel_futures=True)
     self._calls.shutdown(wait=False, cancel_futures=True)
+
+
+def _finite_float(value) -> float | None:
+  """The reward as a finite float, or None for NaN, inf or a value that is not a number."""
+  try:
+    value = float(value)
+  except (TypeError, ValueError):
+    return None
+  return value if math.isfinite(value) else None

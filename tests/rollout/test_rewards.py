@@ -39,6 +39,8 @@ class Verifier:
       return float("nan")
     if kind == "inf":
       return float("inf")
+    if kind == "text":
+      return "not a number"
     if kind == "flaky":  # fails on the first call only
       if self.calls[kind] == 1:
         raise ValueError("transient")
@@ -110,15 +112,16 @@ def test_a_hung_call_in_a_batch_does_not_hold_the_rest(verifier):
   pool = RewardPool(verifier, num_workers=1, timeout_s=TIMEOUT_S, max_retries=0)
   try:
     begin = time.monotonic()
-    done = pool.submit_many(_samples(["ok", "sleep", "ok", "raise", "ok"])).result(timeout=10)
+    done = pool.submit_many(_samples(["ok", "sleep", "ok", "raise", "ok", "text"])).result(
+        timeout=10)
     elapsed = time.monotonic() - begin
   finally:
     pool.close()
-  assert [s.reward_status for s in done] == ["ok", "timeout", "ok", "failed", "ok"]
+  assert [s.reward_status for s in done] == ["ok", "timeout", "ok", "failed", "ok", "failed"]
   assert [s.reward for s in done if s.reward_status == "ok"] == [2.0, 2.0, 2.0]
-  assert verifier.calls == {"ok": 3, "sleep": 1, "raise": 1}  # nothing run twice
+  assert verifier.calls == {"ok": 3, "sleep": 1, "raise": 1, "text": 1}  # nothing run twice
   assert elapsed < 3 * TIMEOUT_S  # one timeout, then the rest on another call thread
-  assert pool.counts == {"ok": 3, "failed": 1, "timeout": 1, "retries": 0}
+  assert pool.counts == {"ok": 3, "failed": 2, "timeout": 1, "retries": 0}
 
 
 @pytest.mark.parametrize("kwargs, match", [
