@@ -58,7 +58,12 @@ def time_to_reach(curve, target: float) -> float | None:
 
 
 def plot(results: dict, path: str) -> None:
-  import matplotlib
+  try:
+    import matplotlib
+  except ImportError:
+    print(f"no plot: matplotlib is not installed (pip install -e '.[plot]'); {path} not written",
+          file=sys.stderr)
+    return
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
