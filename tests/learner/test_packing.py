@@ -173,9 +173,10 @@ def test_aggregate_over_sequence_ids_equals_one_row_per_sequence(mode):
     aggregation.aggregate(packed_values, packed_mask, mode, sequence_ids=ids)
 
 
-def _one_update(model, config, batch, anchor="recompute"):
+def _one_update(model, config, batch, anchor="recompute", mesh_shape=None):
   graphdef, params, axes = model
-  mesh = sharding.make_mesh(MeshShape(), jax.devices()[:1])
+  mesh = (sharding.make_mesh(MeshShape(), jax.devices()[:1]) if mesh_shape is None
+          else sharding.make_mesh(mesh_shape))
   state = step_lib.init_train_state(params, config.optimizer(), mesh, axes)
   update = step_lib.make_update_fn(graphdef, config, GROUP_SIZE, step_lib.state_shardings(state))
   batch = step_lib.shard_batch(batch, mesh)
@@ -218,3 +219,15 @@ def test_anchor_from_the_update_forward_equals_a_recomputed_anchor(model):
   assert float(own_metrics["loss"]) == pytest.approx(float(metrics["loss"]), rel=1e-4)
   ratio_sum, ratio_count = own_metrics["ratio_mean"]
   assert float(ratio_sum) / float(ratio_count) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_packed_update_on_an_8_device_mesh_equals_one_device(model):
+  """Rows of a packed batch are split over the batch axes (row_multiple = mesh size)."""
+  config = LearnerConfig(learning_rate=1e-2)
+  batch = pack(_groups(_long_tail_lengths(6)), ROW, row_multiple=8)
+  assert batch.num_rows % 8 == 0
+  one, one_metrics = _one_update(model, config, batch)
+  eight, eight_metrics = _one_update(model, config, batch, mesh_shape=MeshShape(fsdp=4, tensor=2))
+  worst = max(jax.tree.leaves(jax.tree.map(lambda a, b: np.max(np.abs(a - b)), one, eight)))
+  assert worst <= 2e-4  # as in test_packed_update_equals_unpacked_update
+  assert float(one_metrics["loss"]) == pytest.approx(float(eight_metrics["loss"]), rel=1e-4)
