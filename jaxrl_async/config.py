@@ -50,6 +50,12 @@ class RunConfig:
   learner: LearnerConfig = LearnerConfig()
   warm_start: WarmStartConfig = WarmStartConfig()
   learner_mesh: MeshShape = MeshShape(data=1, fsdp=1, tensor=1)
+  # Placement: a rollout mesh on devices disjoint from the learner's (None = the rollout side
+  # uses the learner's devices); device ids index jax.devices() (None = learner first, then
+  # rollout). See sharding.place_roles.
+  rollout_mesh: MeshShape | None = None
+  learner_device_ids: tuple[int, ...] | None = None
+  rollout_device_ids: tuple[int, ...] | None = None
   pack_sequences: bool = True  # several samples per row in the update (no padding FLOPs)
   sync_backend: str = "device"
   # -- bookkeeping --

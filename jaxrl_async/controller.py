@@ -52,6 +52,7 @@ class Parts:
   prompt_iterator: Any
   rewards: RewardPool
   ref_params: Any = None  # the frozen base policy, for the KL penalty (kl_coef > 0)
+  rollout_mesh: Any = None  # the engine's mesh when placed apart from the learner, else None
 
   def new_batcher(self) -> ContinuousBatcher:
     return ContinuousBatcher(self.engine, eos_id=self.task.tokenizer.eos_id,
@@ -72,8 +73,10 @@ def build(config: RunConfig, *, log=print) -> Parts:
         f"{task.max_sequence_len} tokens); allowed: >= {task.max_sequence_len} or None")
   model_config = get_config(config.model, vocab_size=task.tokenizer.vocab_size,
                             max_seq_len=cache_length)
-  mesh = sharding.make_mesh(config.learner_mesh,
-                            jax.devices()[:config.learner_mesh.num_devices(len(jax.devices()))])
+  placement = sharding.place_roles(config.learner_mesh, config.rollout_mesh,
+                                   learner_device_ids=config.learner_device_ids,
+                                   rollout_device_ids=config.rollout_device_ids)
+  mesh = placement.learner
   model = jax.eval_shape(lambda: init_model(model_config))
   graphdef, _ = split_model(model)
   logical_axes = param_logical_axes(model)
@@ -83,14 +86,16 @@ def build(config: RunConfig, *, log=print) -> Parts:
                                    step_lib.state_shardings(state))
   engine = Engine(graphdef, model_config, max_concurrent_decodes=config.max_concurrent_decodes,
                   max_prefill_length=task.max_sequence_len, sampling=config.sampling,
-                  steps_per_call=config.decode_steps_per_call)
+                  steps_per_call=config.decode_steps_per_call, mesh=placement.rollout,
+                  logical_axes=logical_axes)
   prompt_iterator = iter(prompts_lib.prompt_dataset(task, seed=config.seed))
   rewards = RewardPool(task.reward, num_workers=config.reward_workers,
                        timeout_s=config.reward_timeout_s, max_retries=config.reward_retries)
   return Parts(config=config, task=task, model_config=model_config, graphdef=graphdef,
                logical_axes=logical_axes, mesh=mesh, state=state, update=update,
                logprobs=step_lib.make_logprob_fn(graphdef, config.learner.temperature),
-               engine=engine, eval_problems=task.eval_set(config.eval_size),
+               engine=engine, rollout_mesh=placement.rollout,
+               eval_problems=task.eval_set(config.eval_size),
                prompt_iterator=prompt_iterator, rewards=rewards,
                ref_params=copy_params(state.params) if config.learner.needs_reference else None)
 

@@ -90,6 +90,100 @@ def split_devices(num_learner: int, num_rollout: int | None = None,
   return devices[:num_learner], devices[num_learner:num_learner + num_rollout]
 
 
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Role -> devices: the learner's mesh and the rollout side's (None = on the learner's)."""
+
+  learner: Mesh
+  rollout: Mesh | None = None
+
+  @property
+  def split(self) -> bool:
+    return self.rollout is not None
+
+  def devices(self, role: str) -> list:
+    """The devices a role ('learner' or 'rollout') runs on."""
+    if role not in ("learner", "rollout"):
+      raise ValueError(f"role must be 'learner' or 'rollout', got {role!r}")
+    mesh = self.learner if role == "learner" or self.rollout is None else self.rollout
+    return list(mesh.devices.flat)
+
+
+def _pick(ids, setting: str, devices: list) -> list:
+  ids = list(ids)
+  bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < len(devices)]
+  if bad or len(set(ids)) != len(ids):
+    raise ValueError(f"{setting}={tuple(ids)} must be distinct device indices in "
+                     f"[0, {len(devices)})")
+  return [devices[i] for i in ids]
+
+
+def place_roles(learner_shape: MeshShape, rollout_shape: MeshShape | None = None,
+                devices: Sequence[jax.Device] | None = None, *, learner_device_ids=None,
+                rollout_device_ids=None) -> Placement:
+  """The learner mesh and, with `rollout_shape`, a rollout mesh on a disjoint device set.
+
+  Without ids, the learner takes the first devices and the rollout side the next ones. A -1 axis
+  takes the devices the other mesh leaves (at most one of the two meshes may have one). Without
+  `rollout_shape` the rollout side runs on the learner's devices (colocated).
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  if rollout_shape is None:
+    if rollout_device_ids is not None:
+      raise ValueError("rollout_device_ids needs rollout_mesh (a MeshShape), got rollout_mesh=None")
+    pool = devices if learner_device_ids is None else _pick(learner_device_ids,
+                                                            "learner_device_ids", devices)
+    count = learner_shape.num_devices(len(pool))
+    if count > len(pool):
+      raise ValueError(f"learner_mesh {learner_shape} needs {count} devices, {len(pool)} exist")
+    return Placement(make_mesh(learner_shape, pool[:count]))
+  learner = None if learner_device_ids is None else _pick(learner_device_ids,
+                                                          "learner_device_ids", devices)
+  rollout = None if rollout_device_ids is None else _pick(rollout_device_ids,
+                                                          "rollout_device_ids", devices)
+  if learner is not None and rollout is not None and set(learner) & set(rollout):
+    shared = sorted(d.id for d in set(learner) & set(rollout))
+    raise ValueError(f"learner_device_ids and rollout_device_ids overlap on devices {shared}; "
+                     "the two meshes must use disjoint devices")
+  fixed = {"learner": _fixed_size(learner_shape), "rollout": _fixed_size(rollout_shape)}
+  if fixed["learner"] is fixed["rollout"] is learner is rollout is None:
+    raise ValueError(f"learner_mesh {learner_shape} and rollout_mesh {rollout_shape} both have "
+                     "a -1 axis; give at least one of them fixed sizes")
+  if learner is None:
+    free = [d for d in devices if rollout is None or d not in rollout]
+    want = fixed["learner"] or len(free) - (fixed["rollout"] if rollout is None else 0)
+    learner = free[:max(want, 0)]
+  if rollout is None:
+    free = [d for d in devices if d not in learner]
+    rollout = free[:fixed["rollout"] or len(free)]
+  need = {"learner": learner_shape.num_devices(len(learner)),
+          "rollout": rollout_shape.num_devices(len(rollout))}
+  if need["learner"] != len(learner) or need["rollout"] != len(rollout) or not (
+      learner and rollout):
+    raise ValueError(
+        f"learner_mesh {learner_shape} ({fixed['learner'] or 'the rest'} devices) and "
+        f"rollout_mesh {rollout_shape} ({fixed['rollout'] or 'the rest'} devices) do not fit "
+        f"on disjoint devices: {len(devices)} exist, the learner got {len(learner)} and the "
+        f"rollout side {len(rollout)}")
+  return Placement(make_mesh(learner_shape, learner), make_mesh(rollout_shape, rollout))
+
+
+def _fixed_size(shape: MeshShape) -> int | None:
+  sizes = (shape.data, shape.fsdp, shape.tensor)
+  return None if -1 in sizes else math.prod(sizes)
+
+
+def decode_state_shardings(mesh: Mesh, decode_state, cache_axes: Sequence[str]):
+  """Shardings for a decode state (abstract or real): KV cache leaves by `cache_axes`, the
+  per-slot vectors along the batch axes."""
+  def one(path, leaf):
+    in_cache = any(getattr(k, "name", None) == "cache" for k in path)
+    axes = tuple(cache_axes) if in_cache else ("batch",) + (None,) * (len(leaf.shape) - 1)
+    return named_sharding(mesh, axes, leaf.shape)
+
+  return jax.tree_util.tree_map_with_path(one, decode_state)
+
+
 def _mesh_axes_size(mesh: Mesh, axes) -> int:
   if axes is None:
     return 1

@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 
 from jaxrl_async import sharding
 from jaxrl_async.model import KVCache, ModelConfig, apply
+from jaxrl_async.model.decoder import LOGICAL_CACHE_AXES
 from jaxrl_async.rollout.sampling import SamplingConfig, sample_token
 
 
@@ -78,6 +79,10 @@ def prefill_buckets(max_prefill_length: int, smallest: int = 8) -> tuple[int, ..
   return tuple(buckets) + (max_prefill_length,)
 
 
+def _out(state_sh, out_shardings) -> dict:
+  return {} if state_sh is None else {"out_shardings": out_shardings}
+
+
 class Engine:
   """Continuous-batching decode engine over `max_concurrent_decodes` slots."""
 
@@ -104,12 +109,19 @@ class Engine:
     self.buckets = prefill_buckets(max_prefill_length)
     self.mesh = mesh
     self.logical_axes = logical_axes
-    self._generate = jax.jit(self._generate_impl, donate_argnums=(1,))
+    # On a mesh the decode state (KV cache included) lives there with fixed shardings, so every
+    # call returns it as it came in (no recompile) and nothing lands on another role's devices.
+    state_sh = None if mesh is None else sharding.decode_state_shardings(
+        mesh, jax.eval_shape(self._init_decode_state_impl), LOGICAL_CACHE_AXES)
+    self.decode_state_shardings = state_sh
+    self._generate = jax.jit(self._generate_impl, donate_argnums=(1,),
+                             **_out(state_sh, (state_sh, None)))
     self._prefill = jax.jit(self._prefill_impl)
-    self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
-    self._insert_many = jax.jit(self._insert_many_impl, donate_argnums=(1,))
+    self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), **_out(state_sh, state_sh))
+    self._insert_many = jax.jit(self._insert_many_impl, donate_argnums=(1,),
+                                **_out(state_sh, state_sh))
     # Built by jit so its shardings match the outputs of insert / generate (no recompile).
-    self._init_decode_state = jax.jit(self._init_decode_state_impl)
+    self._init_decode_state = jax.jit(self._init_decode_state_impl, **_out(state_sh, state_sh))
 
   # ---- JetStream Engine API ---------------------------------------------------------------
   @property
