@@ -19,6 +19,7 @@ from jaxrl_async.sharding import MeshShape
 
 MODES = ("sync", "on_policy", "stream_off_policy", "async_stale", "async_partial")
 SYNC_BACKENDS = ("device", "store")
+METRIC_SINKS = ("tensorboard", "wandb")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,11 +65,17 @@ class RunConfig:
   checkpoint_every_versions: int = 50
   buffer_capacity: int | None = None  # samples; None = enough for the admission budget
   debug_checks: bool = True  # assert the staleness invariants on every consumed batch
+  # Beside metrics.jsonl: 'tensorboard' (when tensorboardX is installed), 'wandb' (offline).
+  metric_sinks: tuple[str, ...] = ("tensorboard",)
 
   def __post_init__(self):
     _choice("mode", self.mode, MODES)
     _choice("partial_strategy", self.partial_strategy, PARTIAL_STRATEGIES)
     _choice("sync_backend", self.sync_backend, SYNC_BACKENDS)
+    if isinstance(self.metric_sinks, str) or any(
+        sink not in METRIC_SINKS for sink in self.metric_sinks):
+      raise ValueError(f"metric_sinks must be a tuple of names from {METRIC_SINKS}, got "
+                       f"{self.metric_sinks!r}")
     if self.group_size < 2:
       raise ValueError(
           f"group_size must be >= 2 (GRPO normalises rewards within a group), got "

@@ -23,12 +23,13 @@ from jaxrl_async.config import RunConfig
 from jaxrl_async.learner import step as step_lib
 from jaxrl_async.learner.batching import bucket_length, collate, longest_sequence, pack
 from jaxrl_async.learner.sft import cached_base_policy
-from jaxrl_async.metrics import JsonlWriter, RoleTimer, reduce_metrics, staleness_metrics, sum_pairs
+from jaxrl_async.metrics import RoleTimer, reduce_metrics, staleness_metrics, sum_pairs
 from jaxrl_async.model import get_config, init_model, param_logical_axes, split_model
 from jaxrl_async.rollout.engine import Engine
 from jaxrl_async.rollout.evaluate import evaluate
 from jaxrl_async.rollout.generation import ContinuousBatcher, GenerationRequest, sample_keys
 from jaxrl_async.rollout.rewards import RewardPool
+from jaxrl_async.sinks import make_writer
 from jaxrl_async.tasks import prompts as prompts_lib
 from jaxrl_async.tasks.reverse import DigitReverseTask
 from jaxrl_async.types import RewardStatus, Sample
@@ -205,7 +206,7 @@ def run_services(parts: Parts, run_dir):
   """What every mode's loop records with: role timer, metrics sink, checkpointer, evaluator."""
   timer = RoleTimer()
   parts.rewards.timer = timer  # reward scoring counts as the 'reward' role's busy time
-  return (timer, JsonlWriter(os.path.join(run_dir, "metrics.jsonl")),
+  return (timer, make_writer(run_dir, timer, parts.config.metric_sinks),
           RunCheckpointer(os.path.join(run_dir, "checkpoints")), Evaluator(parts))
 
 

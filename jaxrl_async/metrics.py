@@ -12,6 +12,7 @@ Token-level values travel as (sum, count) pairs and are divided only here, when 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import math
@@ -23,21 +24,27 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 ROLES = ("rollout", "reward", "learner", "sync")
+MAX_SPANS = 20_000  # busy spans kept (the latest), so long runs stay small
 
 
 class RoleTimer:
   """Busy time per role over the whole run; idle ratio = 1 - busy / wall-clock since start.
 
   Intervals of one role may come from several threads (a reward worker pool); they are merged
-  per role so that overlapping intervals count once.
+  per role so that overlapping intervals count once. The merged intervals are also kept as
+  (role, start, end) spans on the run's clock (seconds of `wall_s`, excluded time removed), the
+  latest `max_spans` of them, for the report's stage timeline.
   """
 
-  def __init__(self, roles: Iterable[str] = ROLES, clock=time.perf_counter):
+  def __init__(self, roles: Iterable[str] = ROLES, clock=time.perf_counter,
+               max_spans: int = MAX_SPANS):
     self._clock = clock
     self._lock = threading.Lock()
     self._busy = dict.fromkeys(roles, 0.0)
     self._open: dict[str, list[float]] = {role: [] for role in roles}
     self._active_since: dict[str, float] = {}
+    self._span_begin: dict[str, float] = {}
+    self._spans: collections.deque = collections.deque(maxlen=max_spans)
     self._excluded = 0.0
     self.start = clock()
 
@@ -54,14 +61,23 @@ class RoleTimer:
       if role not in self._busy:
         raise KeyError(f"unknown role {role!r}; roles are {sorted(self._busy)}")
       if not self._open[role]:
-        self._active_since[role] = self._clock()
+        now = self._clock()
+        self._active_since[role] = now
+        self._span_begin[role] = now - self.start - self._excluded
       self._open[role].append(1)
 
   def _exit(self, role: str) -> None:
     with self._lock:
       self._open[role].pop()
       if not self._open[role]:
-        self._busy[role] += self._clock() - self._active_since.pop(role)
+        now = self._clock()
+        self._busy[role] += now - self._active_since.pop(role)
+        self._spans.append((role, self._span_begin.pop(role), now - self.start - self._excluded))
+
+  def spans(self) -> list[tuple[str, float, float]]:
+    """The latest closed busy spans, (role, start_s, end_s) on the `wall_s` clock, oldest first."""
+    with self._lock:
+      return list(self._spans)
 
   @contextlib.contextmanager
   def excluded(self):
@@ -116,7 +132,8 @@ def sum_pairs(accumulated: dict, metrics: Mapping) -> dict:
 
 
 def staleness_metrics(groups, learner_version: int) -> dict[str, float]:
-  """algo/version_gap_*, stale_ratio, partial_ratio, max_partial_span for consumed groups."""
+  """algo/version_gap_*, stale_ratio, partial_ratio, max_partial_span, version_gap_counts for
+  consumed groups."""
   gaps, partial, spans, samples = [], 0, [0], 0
   for group in groups:
     for sample in group:
@@ -125,12 +142,15 @@ def staleness_metrics(groups, learner_version: int) -> dict[str, float]:
       partial += sample.is_partial
       spans.append(sample.version_span)
   gaps = np.concatenate(gaps) if gaps else np.zeros((0,), np.int32)
+  counts = np.bincount(np.maximum(gaps, 0).astype(np.int64)) if gaps.size else []
   return {
       "algo/version_gap_mean": float(gaps.mean()) if gaps.size else 0.0,
       "algo/version_gap_max": float(gaps.max()) if gaps.size else 0.0,
       "algo/stale_ratio": float(np.mean(gaps >= 1)) if gaps.size else 0.0,
       "algo/partial_ratio": partial / max(samples, 1),
       "algo/max_partial_span": float(max(spans)),
+      # Consumed tokens per version gap (index = gap): the version-gap histogram.
+      "algo/version_gap_counts": [int(c) for c in counts],
   }
 
 

@@ -174,15 +174,45 @@ def test_staleness_metrics_on_hand_made_samples():
   assert out["algo/stale_ratio"] == pytest.approx(3 / 8)
   assert out["algo/partial_ratio"] == pytest.approx(2 / 4)
   assert out["algo/max_partial_span"] == 3.0
+  assert out["algo/version_gap_counts"] == [5, 1, 1, 1]  # tokens with gap 0, 1, 2, 3
 
 
 def test_staleness_metrics_on_policy_and_empty():
   on_policy = metrics.staleness_metrics([[_sample([4, 4]), _sample([4])]], learner_version=4)
   assert on_policy == {"algo/version_gap_mean": 0.0, "algo/version_gap_max": 0.0,
                        "algo/stale_ratio": 0.0, "algo/partial_ratio": 0.0,
-                       "algo/max_partial_span": 0.0}
+                       "algo/max_partial_span": 0.0, "algo/version_gap_counts": [3]}
   empty = metrics.staleness_metrics([], learner_version=4)
   assert empty["algo/version_gap_mean"] == 0.0 and empty["algo/partial_ratio"] == 0.0
+  assert empty["algo/version_gap_counts"] == []
+
+
+# ---- busy spans ------------------------------------------------------------------------------
+def test_spans_are_merged_busy_intervals_on_the_run_clock():
+  clock = FakeClock()
+  timer = metrics.RoleTimer(clock=clock)
+  clock.advance(1.0)
+  with timer.busy("rollout"):
+    clock.advance(2.0)
+    with timer.busy("rollout"):  # nested: one span
+      clock.advance(1.0)
+  with timer.excluded():  # evaluation: removed from the clock the spans are on
+    clock.advance(5.0)
+  with timer.busy("learner"):
+    clock.advance(0.5)
+  assert timer.spans() == [("rollout", 1.0, 4.0), ("learner", 4.0, 4.5)]
+  assert timer.wall_s() == 4.5
+
+
+def test_spans_keep_only_the_latest():
+  clock = FakeClock()
+  timer = metrics.RoleTimer(clock=clock, max_spans=3)
+  for _ in range(5):
+    with timer.busy("sync"):
+      clock.advance(1.0)
+    clock.advance(1.0)
+  assert timer.spans() == [("sync", 4.0, 5.0), ("sync", 6.0, 7.0), ("sync", 8.0, 9.0)]
+  assert timer.summary()["sync/busy_s"] == 5.0  # the busy time still counts every interval
 
 
 # ---- JSONL --------------------------------------------------------------------------------------
