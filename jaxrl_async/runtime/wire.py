@@ -1,0 +1,155 @@
+"""Calls between processes: `multiprocessing.connection` on 127.0.0.1 (or a Pipe), pickled.
+
+A request is `(method, args, kwargs)`, a reply `('ok', value)` or `('error', exception)`; one
+request is in flight per connection at a time. A caller waits for its reply with a timeout
+(`ServiceTimeout`); a connection whose other end died raises `ServiceGone`. A connection that
+timed out is closed (a late reply would answer the next call), so callers open a new one.
+
+Why this transport: it is in the standard library, authenticates with a per-run key, and moves a
+batch of samples (numpy arrays in pickles) in one message; `benchmarks/buffer_throughput.py
+--cross_process` measures it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from multiprocessing import connection as mp_connection
+from typing import Any
+
+HOST = "127.0.0.1"
+# How often a serving thread looks at its stop flag while its connection is quiet.
+SERVE_POLL_S = 0.2
+
+
+class ServiceTimeout(TimeoutError):
+  """No reply within the call's timeout."""
+
+
+class ServiceGone(ConnectionError):
+  """The other end closed the connection or its process died."""
+
+
+class RemoteError(RuntimeError):
+  """The other side raised an exception that could not be sent as it was."""
+
+
+def call(conn, method: str, args: tuple, kwargs: dict, timeout: float) -> Any:
+  """Sends one request and waits at most `timeout` seconds for its reply."""
+  try:
+    conn.send((method, args, kwargs))
+    if not conn.poll(timeout):
+      raise ServiceTimeout(f"{method}: no reply within {timeout:.3g} s")
+    status, value = conn.recv()
+  except (EOFError, OSError) as error:
+    raise ServiceGone(f"{method}: the connection is closed ({error!r})") from error
+  if status == "ok":
+    return value
+  raise value
+
+
+def answer(conn, handler: Callable[[str, tuple, dict], Any], request) -> None:
+  """Runs one request and sends its reply (an exception is sent back to the caller)."""
+  method, args, kwargs = request
+  try:
+    reply = ("ok", handler(method, args, kwargs))
+  except Exception as error:  # the caller's to handle
+    reply = ("error", error)
+  try:
+    conn.send(reply)
+  except (EOFError, OSError):
+    raise
+  except Exception as error:  # the exception or value did not pickle
+    conn.send(("error", RemoteError(f"{method}: {reply[1]!r} ({error!r})")))
+
+
+def serve_connection(conn, handler, stop: threading.Event) -> None:
+  """Answers requests on `conn` until the peer hangs up or `stop` is set."""
+  try:
+    while not stop.is_set():
+      if not conn.poll(SERVE_POLL_S):
+        continue
+      try:
+        request = conn.recv()
+      except (EOFError, OSError):
+        return
+      try:
+        answer(conn, handler, request)
+      except (EOFError, OSError):
+        return
+  finally:
+    conn.close()
+
+
+class Server:
+  """Accepts authenticated connections on 127.0.0.1 and serves each in its own named thread.
+
+  `open_handler(conn)` makes the handler of a new connection: a callable
+  `(method, args, kwargs) -> value`, or None to refuse the connection.
+  """
+
+  def __init__(self, open_handler: Callable[[Any], Callable | None], authkey: bytes, *,
+               name: str = "service"):
+    self.name = name
+    self.authkey = authkey
+    self._open_handler = open_handler
+    self._listener = mp_connection.Listener((HOST, 0), authkey=authkey)
+    self.address = self._listener.address
+    self._stop = threading.Event()
+    self._threads: list[threading.Thread] = []
+    self._lock = threading.Lock()
+    self._accept_thread = threading.Thread(target=self._accept, name=f"{name}-accept",
+                                           daemon=True)
+
+  def start(self) -> None:
+    self._accept_thread.start()
+
+  def _accept(self) -> None:
+    while not self._stop.is_set():
+      try:
+        conn = self._listener.accept()
+      except (OSError, EOFError, mp_connection.AuthenticationError):
+        if self._stop.is_set():
+          return
+        continue
+      if self._stop.is_set():
+        conn.close()
+        return
+      handler = self._open_handler(conn)
+      if handler is None:
+        conn.close()
+        continue
+      thread = threading.Thread(target=serve_connection, args=(conn, handler, self._stop),
+                                name=f"{self.name}-conn-{len(self._threads)}", daemon=True)
+      with self._lock:
+        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+      thread.start()
+
+  def stop(self, timeout: float = 10.0) -> None:
+    """Stops accepting and serving; joins every thread (each at most `timeout` seconds)."""
+    if self._stop.is_set():
+      return
+    self._stop.set()
+    # accept() does not wake when the listener is closed from another thread: connect once.
+    with contextlib.suppress(OSError, EOFError, mp_connection.AuthenticationError):
+      mp_connection.Client(self.address, authkey=self.authkey).close()
+    self._accept_thread.join(timeout)
+    self._listener.close()
+    with self._lock:
+      threads = list(self._threads)
+    for thread in threads:
+      thread.join(timeout)
+    alive = [t.name for t in threads if t.is_alive()] + (
+        [self._accept_thread.name] if self._accept_thread.is_alive() else [])
+    if alive:
+      raise TimeoutError(f"{self.name}: threads {alive} did not stop within {timeout} s")
+
+
+def connect(address, authkey: bytes, timeout: float):
+  """A client connection to a `Server` (the connect itself is bounded by the OS)."""
+  del timeout  # a local TCP connect either succeeds or is refused at once
+  try:
+    return mp_connection.Client(address, authkey=authkey)
+  except (OSError, EOFError) as error:
+    raise ServiceGone(f"cannot connect to {address}: {error!r}") from error
