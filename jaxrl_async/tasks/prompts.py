@@ -12,6 +12,9 @@ need to be serialised: `it.get_state()` is a dict of plain ints that grain JSON-
 problem. To checkpoint it with orbax, pass `grain.checkpoint.CheckpointSave(it)` /
 `grain.checkpoint.CheckpointRestore(it)` inside `ocp.args.Composite` (see tests/tasks).
 
+A task with its own `prompt_dataset` method (a task over a file's rows, whose epoch is its
+rows: `text_task.TextTask`) makes the pipeline itself.
+
 Each epoch is the same `epoch_size` problems; with `shuffle` every epoch visits them in a new
 order (grain reseeds the shuffle with the epoch number), so a prompt_id repeats once per epoch.
 """
@@ -58,6 +61,13 @@ def prompt_dataset(task: base.Task, *, seed: int, split: str = "train", shuffle:
     read_options: grain read options; default: no prefetch threads (see default_read_options).
   """
   base.check_split(split)
+  own_pipeline = getattr(task, "prompt_dataset", None)
+  if own_pipeline is not None:  # a task over stored rows (text_task.TextTask) has its own
+    if epoch_size != DEFAULT_EPOCH_SIZE:
+      raise ValueError(f"epoch_size={epoch_size} does not apply to {type(task).__name__}: an "
+                       f"epoch is its rows")
+    return own_pipeline(seed=seed, split=split, shuffle=shuffle, num_epochs=num_epochs,
+                        read_options=read_options or default_read_options())
   if not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
     raise ValueError(f"seed must be an int in [0, 2**32 - 1], got {seed!r}")
   if not isinstance(epoch_size, (int, np.integer)) or epoch_size < 1:
