@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-COMMANDS = ("train",)
+COMMANDS = ("train", "serve")
 
 
 def main(argv=None) -> int:
@@ -16,6 +16,9 @@ def main(argv=None) -> int:
   if argv[0] == "train":
     from launch import train
     return train.main(argv[1:])
+  if argv[0] == "serve":
+    from launch import serve
+    return serve.main(argv[1:])
   return 2
 
 

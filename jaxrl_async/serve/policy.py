@@ -1,0 +1,68 @@
+"""The policy a server serves: a run's checkpoint (the learner's params at a saved version).
+
+A run directory holds `config.gin` (its operative config, read at the edge by `launch/serve.py`)
+and `checkpoints/<policy_version>/` written by `jaxrl_async.checkpoint.RunCheckpointer`, whose
+'state' item is {'step', 'params', 'opt_state'}. Only that item is read, onto one device.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import orbax.checkpoint as ocp
+
+from jaxrl_async.config import RunConfig
+from jaxrl_async.model import abstract_params, get_config
+from jaxrl_async.serve.server import Policy
+from jaxrl_async.tasks.reverse import DigitReverseTask
+
+
+def checkpoint_dir(path: str | os.PathLike) -> str:
+  """A run directory or its checkpoints/ folder -> the checkpoints/ folder (must exist)."""
+  path = os.path.abspath(os.fspath(path))
+  for candidate in (os.path.join(path, "checkpoints"), path):
+    if os.path.isdir(candidate) and any(name.isdigit() for name in os.listdir(candidate)):
+      return candidate
+  raise FileNotFoundError(
+      f"no checkpoint under {path!r}: expected a run directory with checkpoints/<version>/ "
+      "or a checkpoints/ folder")
+
+
+def run_dir_of(path: str | os.PathLike) -> str:
+  """The run directory (the one with config.gin) of a run or checkpoints/ path."""
+  path = os.path.abspath(os.fspath(path))
+  for candidate in (path, os.path.dirname(path)):
+    if os.path.isfile(os.path.join(candidate, "config.gin")):
+      return candidate
+  raise FileNotFoundError(f"no config.gin in {path!r} or its parent: is it a run directory?")
+
+
+def policy_from_checkpoint(config: RunConfig, path: str | os.PathLike,
+                           step: int | None = None) -> Policy:
+  """Load the learner params of a run's checkpoint (the latest unless `step`) as a Policy."""
+  directory = checkpoint_dir(path)
+  task = config.task if config.task is not None else DigitReverseTask(config.seed)
+  cache_length = config.cache_length or task.max_sequence_len
+  model_config = get_config(config.model, vocab_size=task.tokenizer.vocab_size,
+                            max_seq_len=cache_length)
+  graphdef, params, _ = abstract_params(model_config)
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  tree = {"step": jax.ShapeDtypeStruct((), "int32"), "params": params,
+          "opt_state": jax.eval_shape(config.learner.optimizer().init, params)}
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), tree)
+  manager = ocp.CheckpointManager(directory, item_names=("state", "prompts", "run"))
+  try:
+    step = manager.latest_step() if step is None else step
+    if step is None or step not in manager.all_steps():
+      raise FileNotFoundError(f"checkpoint step {step} not in {directory} (saved steps: "
+                              f"{sorted(manager.all_steps())})")
+    restored = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(target)))
+  finally:
+    manager.close()
+  return Policy(graphdef=graphdef, params=restored["state"]["params"],
+                model_config=model_config, tokenizer=task.tokenizer,
+                eos_id=task.tokenizer.eos_id, max_prefill_length=task.max_prompt_len,
+                max_response_len=task.max_response_len, version=int(step),
+                description=f"{directory} at policy_version {step}")

@@ -1,0 +1,77 @@
+"""Serve a run's policy over gRPC with JetStream's protocol (`jetstream_proto.Orchestrator`).
+
+    jaxrl-async serve --checkpoint runs/sync                  # latest checkpoint, 127.0.0.1:9000
+    jaxrl-async serve --checkpoint runs/sync/checkpoints --step 50 --port 0 --temperature 0
+
+The run's `config.gin` says which model and task the checkpoint belongs to. The server prints
+`serving <what> on <host>:<port>` once it takes requests, and stops on Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util  # noqa: F401  (gin-config 0.5 needs it loaded to resolve file paths)
+import os
+import signal
+import sys
+import threading
+
+import gin
+from jaxrl_async import config as config_lib
+from launch.train import load_config
+
+
+def parse_args(argv=None):
+  parser = argparse.ArgumentParser(prog="jaxrl-async serve", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--checkpoint", required=True,
+                      help="a run directory, or its checkpoints/ folder")
+  parser.add_argument("--step", type=int, default=None, help="policy version (default: latest)")
+  parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+  parser.add_argument("--port", type=int, default=9000, help="0 picks a free port")
+  parser.add_argument("--max_concurrent_decodes", type=int, default=32)
+  parser.add_argument("--decode_steps_per_call", type=int, default=1)
+  parser.add_argument("--temperature", type=float, default=None,
+                      help="sampling temperature (default: the run's; 0 = greedy)")
+  parser.add_argument("--seed", type=int, default=0, help="seed of the sampling keys")
+  return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  from jaxrl_async.serve import policy as policy_lib
+  from jaxrl_async.serve.server import PolicyServer
+  try:
+    run_dir = policy_lib.run_dir_of(args.checkpoint)
+    load_config([os.path.join(run_dir, "config.gin")], [])
+    config = gin.get_configurable(config_lib.RunConfig)()
+    sampling = config.sampling
+    if args.temperature is not None:
+      sampling = dataclasses.replace(sampling, temperature=args.temperature)
+    policy = policy_lib.policy_from_checkpoint(config, args.checkpoint, args.step)
+    server = PolicyServer(policy, host=args.host, port=args.port,
+                          max_concurrent_decodes=args.max_concurrent_decodes, sampling=sampling,
+                          seed=args.seed, steps_per_call=args.decode_steps_per_call)
+  except (ValueError, TypeError, FileNotFoundError, OSError) as error:
+    print(f"jaxrl-async serve: {error}", file=sys.stderr)
+    return 2
+  finally:
+    gin.clear_config()
+  stopping = threading.Event()
+  for signum in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(signum, lambda *_: stopping.set())
+  server.start()
+  print(f"serving {policy.description} on {server.address}", flush=True)
+  try:
+    while not stopping.wait(timeout=1.0):
+      if not server.driver.alive:
+        print("jaxrl-async serve: the decode driver stopped", file=sys.stderr)
+        return 1
+  finally:
+    server.stop()
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
