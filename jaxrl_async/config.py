@@ -19,6 +19,7 @@ from jaxrl_async.sharding import MeshShape
 
 MODES = ("sync", "on_policy", "stream_off_policy", "async_stale", "async_partial")
 SYNC_BACKENDS = ("device", "store")
+BACKENDS = ("threads", "processes", "ray")
 METRIC_SINKS = ("tensorboard", "wandb")
 
 
@@ -59,6 +60,10 @@ class RunConfig:
   rollout_device_ids: tuple[int, ...] | None = None
   pack_sequences: bool = True  # several samples per row in the update (no padding FLOPs)
   sync_backend: str = "device"
+  # -- backend: the roles as threads of one process, or rollout servers as processes / Ray --
+  backend: str = "threads"
+  num_rollout_servers: int = 1  # rollout server processes ('processes') or actors ('ray')
+  heartbeat_timeout_s: float = 10.0  # a rollout server silent this long is replaced
   # -- bookkeeping --
   eval_every_versions: int = 10
   eval_size: int = 256
@@ -72,6 +77,16 @@ class RunConfig:
     _choice("mode", self.mode, MODES)
     _choice("partial_strategy", self.partial_strategy, PARTIAL_STRATEGIES)
     _choice("sync_backend", self.sync_backend, SYNC_BACKENDS)
+    _choice("backend", self.backend, BACKENDS)
+    _positive_int("num_rollout_servers", self.num_rollout_servers)
+    if not self.heartbeat_timeout_s > 0:
+      raise ValueError(f"heartbeat_timeout_s must be > 0, got {self.heartbeat_timeout_s}")
+    if self.backend != "threads" and self.mode == "sync":
+      raise ValueError(f"backend={self.backend!r} runs the roles of the async modes apart; "
+                       "mode='sync' is serial and runs in one process: use backend='threads'")
+    if self.backend == "threads" and self.num_rollout_servers != 1:
+      raise ValueError(f"num_rollout_servers={self.num_rollout_servers} needs backend "
+                       "'processes' or 'ray' (backend='threads' runs one rollouter)")
     if isinstance(self.metric_sinks, str) or any(
         sink not in METRIC_SINKS for sink in self.metric_sinks):
       raise ValueError(f"metric_sinks must be a tuple of names from {METRIC_SINKS}, got "

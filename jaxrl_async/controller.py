@@ -184,7 +184,10 @@ def run_parts(parts: Parts, run_dir: str | os.PathLike, *, resume: bool = False,
   check_run_dir(run_dir, resume)
   os.makedirs(run_dir, exist_ok=True)
   try:
-    if parts.config.is_async:
+    if parts.config.is_async and parts.config.backend == "processes":
+      from jaxrl_async.runtime.processes import run_processes
+      summary = run_processes(parts, run_dir, resume=resume, progress=progress, log=log)
+    elif parts.config.is_async:
       from jaxrl_async.async_controller import run_async
       summary = run_async(parts, run_dir, resume=resume, progress=progress, log=log)
     else:
