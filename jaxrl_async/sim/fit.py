@@ -1,0 +1,180 @@
+"""A profile measured from a run of this project: `profile_from_run(run_dir)`.
+
+Reads the run's `metrics.jsonl` (one record per policy version, cumulative busy seconds per
+role) and its operative `config.gin`, and fits:
+
+- the decode-step time: the run's rollout busy seconds per version divided by the decode steps
+  the simulator needs for one version of this batch geometry and length distribution (the
+  engine runs every slot at each step, so the step time does not depend on active slots);
+- the response length distribution: P(L = k) ∝ r^k on [1, max] with the run's mean response
+  length (the built-in task's family; `max` from `DigitReverseTask.max_len`, else 25);
+- the learner: busy seconds per version = per_update_s + s_per_token * tokens, least squares
+  over versions (per-token only when the fit is degenerate);
+- reward: its busy seconds per sample; sync: the mean `sync/latency_s`;
+- sync_mode_overhead_s: wall-clock per version not covered by any role (host time between the
+  sync baseline's stages), from a sync run.
+
+If the run directory has `spans.jsonl` (one object per busy interval: role, start_s, end_s),
+the role busy totals are taken from it instead of the cumulative counters.
+The first `skip_versions` versions are left out (compilation, warm-up).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+
+import numpy as np
+
+from jaxrl_async.config import RunConfig
+from jaxrl_async.metrics import read_jsonl
+from jaxrl_async.sim.profile import (
+  LatencyModel,
+  LearnerCost,
+  LengthModel,
+  Profile,
+  RolloutCost,
+  SyncCost,
+)
+
+_KNOBS = ("mode", "group_size", "mini_batch_size", "require_batches",
+          "trigger_parameter_sync_step", "max_concurrent_decodes", "staleness_threshold",
+          "max_version_gap", "partial_rollout", "total_samples", "reward_workers")
+
+
+def read_run_config(run_dir: str) -> dict:
+  """RunConfig knobs bound in the run's config.gin (only plain literals)."""
+  path = os.path.join(run_dir, "config.gin")
+  knobs: dict = {}
+  if not os.path.isfile(path):
+    return knobs
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  for name, value in re.findall(r"RunConfig\.(\w+) = ([^\n\\]+)", text):
+    if name in _KNOBS:
+      value = value.strip()
+      knobs[name] = {"True": True, "False": False, "None": None}.get(
+          value, value.strip("'\"") if value[0] in "'\"" else _number(value))
+  match = re.search(r"DigitReverseTask\.max_len = (\d+)", text)
+  if match:
+    knobs["task_max_len"] = int(match.group(1))
+  return knobs
+
+
+def _number(text: str):
+  try:
+    return int(text)
+  except ValueError:
+    return float(text)
+
+
+def geometric_ratio(mean: float, low: int, high: int) -> float:
+  """r with mean of P(L = k) ∝ r^k on [low, high] equal to `mean` (bisection)."""
+  if not low < mean < high:
+    raise ValueError(f"a mean response length of {mean:.3g} tokens is outside ({low}, {high})")
+  support = np.arange(low, high + 1, dtype=np.float64)
+
+  def mean_of(ratio):
+    weights = np.exp((support - low) * math.log(ratio))
+    return float((support * weights).sum() / weights.sum())
+
+  lo, hi = 1e-6, 1e6
+  for _ in range(200):
+    mid = math.sqrt(lo * hi)
+    lo, hi = (mid, hi) if mean_of(mid) < mean else (lo, mid)
+  return math.sqrt(lo * hi)
+
+
+def _span_totals(path: str) -> dict[str, float]:
+  totals: dict[str, float] = {}
+  for span in read_jsonl(path):
+    role = span.get("role")
+    start, end = span.get("start_s"), span.get("end_s")
+    if role is None or start is None or end is None:
+      continue
+    totals[role] = totals.get(role, 0.0) + float(end) - float(start)
+  return totals
+
+
+def profile_from_run(run_dir: str, *, skip_versions: int = 2, seed: int = 0,
+                     name: str | None = None, contention: float = 0.0) -> Profile:
+  from jaxrl_async.sim.simulator import simulate
+
+  path = os.path.join(run_dir, "metrics.jsonl")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"--profile_from {run_dir}: no metrics.jsonl there")
+  records = [r for r in read_jsonl(path) if "algo/version_gap_max" in r and "rollout/busy_s" in r]
+  if len(records) < skip_versions + 3:
+    raise ValueError(f"{path} has {len(records)} per-version records; fitting needs at least "
+                     f"{skip_versions + 3} (skip_versions={skip_versions})")
+  knobs = read_run_config(run_dir)
+  first, last = records[skip_versions], records[-1]
+  versions = last["policy_version"] - first["policy_version"]
+  wall = last["time_s"] - first["time_s"]
+  samples = last["samples"] - first["samples"]
+  tokens_at = [r["system/tokens_per_s"] * r["time_s"] for r in records]
+  tokens = tokens_at[-1] - tokens_at[skip_versions]
+  busy = {role: last[f"{role}/busy_s"] - first[f"{role}/busy_s"]
+          for role in ("rollout", "reward", "learner", "sync")}
+  spans = os.path.join(run_dir, "spans.jsonl")
+  if os.path.isfile(spans):
+    totals = _span_totals(spans)
+    scale = versions / max(last["policy_version"], 1)  # spans cover the whole run
+    busy.update({role: totals[role] * scale for role in busy if role in totals})
+  group_size = int(knobs.get("group_size", 8))
+  slots = int(knobs.get("max_concurrent_decodes", 64))
+  mean_tokens = tokens / samples
+  length = LengthModel(kind="geometric", min=1, max=int(knobs.get("task_max_len", 24)) + 1,
+                       ratio=geometric_ratio(mean_tokens, 1, int(knobs.get("task_max_len", 24)) + 1))
+
+  # Learner: per-version busy = a + b * tokens over the fitted versions.
+  steps = np.diff([r["learner/busy_s"] for r in records[skip_versions:]])
+  toks = np.diff(tokens_at[skip_versions:])
+  per_update, per_token = 0.0, busy["learner"] / tokens
+  updates_per_version = int(knobs.get("trigger_parameter_sync_step", 1))
+  if toks.std() > 0:
+    slope, intercept = np.polyfit(toks, steps, 1)
+    if slope > 0 and intercept > 0:
+      per_token, per_update = float(slope), float(intercept) / updates_per_version
+  sync_s = float(np.mean([r["sync/latency_s"] for r in records[skip_versions:]]))
+  reward_s = busy["reward"] / samples
+  overhead = max(0.0, (wall - sum(busy.values())) / versions) if knobs.get(
+      "mode", "sync") == "sync" else 0.0
+  notes = (f"fitted from {path}: versions {first['policy_version']}..{last['policy_version']}, "
+           f"{samples} samples, {tokens:.0f} response tokens, wall {wall:.3f} s, busy "
+           + ", ".join(f"{k} {v:.3f} s" for k, v in busy.items()),)
+  base = Profile(name=name or f"fit:{os.path.basename(os.path.normpath(run_dir))}",
+                 prompt_tokens=max(1, length.max + 1), response_length=length,
+                 rollout=RolloutCost(replicas=1, slots=slots, decode_curve=((1, 1.0),)),
+                 reward_workers=1, reward_latency=LatencyModel(kind="fixed", value=reward_s),
+                 learner=LearnerCost(per_update_s=per_update, s_per_token=per_token),
+                 sync=SyncCost(fixed_s=sync_s), contention=contention,
+                 sync_mode_overhead_s=overhead, notes=notes)
+  # Decode steps per version of this geometry: simulate the sync schedule at 1 s per step.
+  config = RunConfig(mode="sync", group_size=group_size,
+                     mini_batch_size=int(knobs.get("mini_batch_size", 8)),
+                     require_batches=int(knobs.get("require_batches", 1)),
+                     trigger_parameter_sync_step=updates_per_version,
+                     max_concurrent_decodes=slots, total_samples=10 ** 9)
+  probe = dataclasses.replace(base, reward_latency=LatencyModel(), sync_mode_overhead_s=0.0,
+                              learner=LearnerCost(), sync=SyncCost())
+  probe_versions = 20
+  steps_per_version = simulate(probe, config, num_versions=probe_versions, seed=seed).summary[
+      "rollout/busy_s"] / probe_versions
+  step_s = busy["rollout"] / versions / steps_per_version
+  return dataclasses.replace(base, rollout=RolloutCost(replicas=1, slots=slots,
+                                                       decode_curve=((1, step_s),)),
+                             notes=notes + (f"decode step {step_s * 1e3:.3f} ms (rollout busy per "
+                                            f"version / {steps_per_version:.1f} simulated "
+                                            "decode steps per version)",))
+
+
+def knobs_from_run(run_dir: str) -> dict:
+  return {k: v for k, v in read_run_config(run_dir).items() if k in _KNOBS}
+
+
+def dump(profile: Profile) -> str:
+  return json.dumps(profile.to_dict(), indent=1)
