@@ -10,7 +10,8 @@ each result with the timeout. Two thread hand-offs per batch rather than per sam
 pool cheap when rewards are fast. A timed-out call cannot be killed (it is a Python thread): it
 is abandoned with its call thread until it returns, and the rest of the batch continues on
 another call thread, so the call pool is larger than the driver pool. `close()` returns without
-waiting for abandoned calls.
+waiting for abandoned calls. A reward function that enforces its own limit and raises
+TimeoutError (tasks/subprocess_reward.py kills its verifier's process) counts as a timeout.
 """
 
 from __future__ import annotations
@@ -92,8 +93,10 @@ class RewardPool:
           if ok is None:
             raise value
           reward = _finite_float(value) if ok else None
-          if reward is None:
-            self._retry_or_finish(samples[i], RewardStatus.FAILED, todo, i)
+          if reward is None:  # a verifier that timed out itself (TimeoutError) is a timeout
+            status = (RewardStatus.TIMEOUT if not ok and isinstance(value, TimeoutError)
+                      else RewardStatus.FAILED)
+            self._retry_or_finish(samples[i], status, todo, i)
           else:
             samples[i].reward = reward
             self._finish(samples[i], RewardStatus.OK)

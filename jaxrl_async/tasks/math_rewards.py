@@ -22,10 +22,10 @@ import fractions
 import re
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
-_NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)")
-_FRACTION = re.compile(r"([+-]?\d+)\s*/\s*(\d+)")
-_LATEX_FRACTION = re.compile(r"\\[dt]?frac\{([+-]?\d+)\}\{(\d+)\}")
-_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(\D|$))")
+_NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)", re.ASCII)  # ASCII digits only
+_FRACTION = re.compile(r"([+-]?\d+)\s*/\s*(\d+)", re.ASCII)
+_LATEX_FRACTION = re.compile(r"\\[dt]?frac\{([+-]?\d+)\}\{(\d+)\}", re.ASCII)
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(\D|$))", re.ASCII)
 MAX_NUMBER_CHARS = 1000
 MATH_VERIFY_TAIL_CHARS = 4096  # math-verify reads the end of a response, where the answer is
 
