@@ -13,7 +13,7 @@ Where the settings come from, first match wins:
 1. explicit arguments (`--coordinator_address`, `--num_processes`, `--process_id`);
 2. JAX's own variables: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID;
 3. SLURM (one task a host): SLURM_PROCID, SLURM_NTASKS, the first host of SLURM_STEP_NODELIST
-   or SLURM_JOB_NODELIST, port `coordinator_port`;
+   or SLURM_JOB_NODELIST, port `coordinator_port` (or JAXRL_COORDINATOR_PORT);
 4. a Cloud TPU VM slice: TPU_WORKER_ID and TPU_WORKER_HOSTNAMES (the first host coordinates);
 5. none of these: one process, no `jax.distributed`.
 """
@@ -92,9 +92,16 @@ def _int_env(env: Mapping[str, str], name: str) -> int:
 
 def cluster_spec(coordinator_address: str | None = None, num_processes: int | None = None,
                  process_id: int | None = None, *, env: Mapping[str, str] | None = None,
-                 coordinator_port: int = DEFAULT_COORDINATOR_PORT) -> ClusterSpec:
-  """Resolve where the coordinator is, how many processes and which one this is (see module)."""
+                 coordinator_port: int | None = None) -> ClusterSpec:
+  """Resolve where the coordinator is, how many processes and which one this is (see module).
+
+  coordinator_port (SLURM, TPU): default JAXRL_COORDINATOR_PORT from the environment, else
+  DEFAULT_COORDINATOR_PORT.
+  """
   env = os.environ if env is None else env
+  if coordinator_port is None:
+    coordinator_port = (_int_env(env, "JAXRL_COORDINATOR_PORT")
+                        if "JAXRL_COORDINATOR_PORT" in env else DEFAULT_COORDINATOR_PORT)
   given = (coordinator_address, num_processes, process_id)
   if any(x is not None for x in given):
     if num_processes is None or process_id is None:

@@ -1,0 +1,240 @@
+"""The `processes` backend: the learner, the buffer service and the controller in this process,
+K rollout servers in spawned child processes beside it, each on its own share of the cores.
+
+Samples come in over the buffer service (one call per batch), weights go out over shared
+memory (`sync_backend='device'`) or the orbax store (`'store'`). The learner role, its update
+and its checks are those of the threads backend. Checkpoints pause every server, save the
+buffer, each server's groups in flight and its prompt shard's position; resume gives each
+server back its own. The main thread watches the learner and sends the heartbeats.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import shutil
+
+import jax
+
+from jaxrl_async.buffer import VersionedBuffer, admission_budget
+from jaxrl_async.checkpoint import RunCheckpointer
+from jaxrl_async.controller import (
+  Evaluator,
+  copy_params,
+  learner_update,
+  progress_bar,
+  version_record,
+)
+from jaxrl_async.learner.learner import LearnerRole
+from jaxrl_async.metrics import JsonlWriter, RoleTimer
+from jaxrl_async.runtime import child
+from jaxrl_async.runtime.assembly import PROCESS_CHANNELS
+from jaxrl_async.runtime.buffer_service import BufferService
+from jaxrl_async.runtime.fleet import Fleet, RolloutServerFailed
+from jaxrl_async.runtime.shm_channel import SharedMemoryWeightChannel
+from jaxrl_async.sync import OrbaxStoreChannel
+from jaxrl_async.types import Sample
+
+HEARTBEAT_INTERVAL_S = 1.0
+JOIN_TIMEOUT_S = 60.0
+
+
+class ShardPrompts:
+  """The prompt shards' positions, one per server, as the checkpoint's 'prompts' item (grain's
+  checkpoint handler saves any object with get_state() -> bytes / set_state(bytes))."""
+
+  def __init__(self, states: list | None = None):
+    self.states = list(states or [])
+
+  def get_state(self) -> bytes:
+    return json.dumps({"servers": self.states}).encode()
+
+  def set_state(self, state: bytes) -> None:
+    self.states = list(json.loads(state.decode())["servers"])
+
+  def start_prefetch(self) -> None:
+    return None
+
+
+def make_buffer(cfg) -> VersionedBuffer:
+  budget = admission_budget(cfg.staleness_threshold, cfg.groups_per_version)
+  return VersionedBuffer(group_size=cfg.group_size, groups_per_version=cfg.groups_per_version,
+                         staleness_threshold=cfg.staleness_threshold,
+                         max_version_gap=cfg.max_version_gap,
+                         capacity=max(cfg.buffer_capacity or 0, cfg.group_size * budget))
+
+
+def make_channel(parts, run_dir):
+  """(learner end, spec the servers open their end from)."""
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), parts.state.params)
+  if PROCESS_CHANNELS[parts.config.sync_backend] == "shm":
+    channel = SharedMemoryWeightChannel.create(abstract)
+    return channel, {"kind": "shm", "location": channel.name}
+  directory = os.path.join(os.path.abspath(run_dir), "weights")
+  shutil.rmtree(directory, ignore_errors=True)  # transport, not a checkpoint
+  return (OrbaxStoreChannel(directory, abstract, parts.logical_axes),
+          {"kind": "store", "location": directory})
+
+
+def run_processes(parts, run_dir, *, resume: bool, progress: bool, log=print) -> dict:
+  cfg = parts.config
+  timer = RoleTimer()
+  writer = JsonlWriter(os.path.join(run_dir, "metrics.jsonl"))
+  checkpointer = RunCheckpointer(os.path.join(run_dir, "checkpoints"))
+  evaluator = Evaluator(parts)
+  buffer = make_buffer(cfg)
+  channel, channel_spec = make_channel(parts, run_dir)
+  service = BufferService(buffer).start()
+  _, server_cores = child.core_shares(cfg.num_rollout_servers)
+  fleet = Fleet(cfg, service, channel_spec, cores=server_cores,
+                heartbeat_timeout_s=cfg.heartbeat_timeout_s, log=log)
+  try:
+    return _run(parts, run_dir, resume, progress, log, timer, writer, checkpointer, evaluator,
+                buffer, channel, fleet)
+  finally:
+    try:
+      fleet.stop()
+    finally:
+      buffer.close()
+      service.stop()
+      writer.close()
+      checkpointer.close()
+      channel.close()
+
+
+def _run(parts, run_dir, resume, progress, log, timer, writer, checkpointer, evaluator, buffer,
+         channel, fleet) -> dict:
+  cfg = parts.config
+  state, version = parts.state, 0
+  totals = {"consumed": 0, "tokens": 0}
+  restores: list = [None] * cfg.num_rollout_servers
+  taken = None
+  shards = ShardPrompts()
+  if resume and checkpointer.latest_step() is not None:
+    state, run_state, _ = checkpointer.restore(state, shards)
+    servers = run_state.get("rollout", {}).get("servers")
+    if servers is None or len(servers) != cfg.num_rollout_servers:
+      raise ValueError(f"num_rollout_servers={cfg.num_rollout_servers}: the checkpoint under "
+                       f"{checkpointer.directory} was saved by "
+                       f"{'a threads run' if servers is None else f'{len(servers)} servers'}; "
+                       "resume with the same backend and number of servers")
+    restores = [{"rollout": rollout, "prompts": prompts}
+                for rollout, prompts in zip(servers, shards.states)]
+    version = run_state["policy_version"]
+    totals = {"consumed": run_state["consumed_samples"], "tokens": run_state["consumed_tokens"]}
+    buffer.set_state(run_state["buffer"])
+    taken = [[Sample.from_dict(s) for s in group] for group in run_state.get("taken", [])]
+    timer.start -= run_state.get("wall_s", 0.0)
+    log(f"resumed from {checkpointer.directory} at policy_version {version}")
+
+  bar = progress_bar(cfg.num_versions, version, progress)
+  last_eval: dict = {}
+
+  def save_checkpoint(at_version: int, learner_state, pending=None) -> None:
+    with timer.excluded():
+      fleet.pause()
+      try:
+        snapshots = fleet.snapshots()
+        checkpointer.save(at_version, learner_state, ShardPrompts(
+            [s["prompts"] for s in snapshots]), {
+                "policy_version": at_version, "consumed_samples": totals["consumed"],
+                "consumed_tokens": totals["tokens"], "wall_s": timer.wall_s(),
+                "buffer": buffer.get_state(),
+                "taken": [[s.to_dict() for s in g] for g in (pending or [])],
+                "rollout": {"backend": "processes",
+                            "servers": [s["rollout"] for s in snapshots]}})
+      finally:
+        fleet.resume()
+
+  def run_eval(at_version: int, learner_state) -> None:
+    with timer.excluded():
+      fleet.pause()
+      try:
+        last_eval.update(evaluator(learner_state.params, at_version))
+      finally:
+        fleet.resume()
+    writer.write({"policy_version": at_version, "learner_step": int(learner_state.step),
+                  "samples": totals["consumed"], "time_s": timer.wall_s(), **last_eval})
+
+  def on_version(at_version, learner_state, groups, accumulated, staleness):
+    totals["consumed"] += sum(len(g) for g in groups)
+    totals["tokens"] += sum(s.num_response_tokens for g in groups for s in g)
+    sync = channel.metrics()
+    record = version_record(parts, timer, at_version, learner_state, groups, accumulated,
+                            totals["consumed"], totals["tokens"], {}, sync["sync/latency_s"])
+    record.update(staleness)
+    record.update(buffer.metrics())
+    record.update(sync)
+    record.update(fleet.rollout_counts())
+    record.update(fleet.counts)
+    record["learner/wait_s"] = learner.wait_s
+    writer.write(record)
+    bar.set_postfix(reward=f"{record['result/reward_mean']:.3f}",
+                    acc=f"{last_eval.get('eval/accuracy', float('nan')):.3f}",
+                    gap=f"{record['algo/version_gap_max']:.0f}")
+    bar.update(1)
+    if learner.stopping:
+      return
+    if at_version % cfg.eval_every_versions == 0:
+      run_eval(at_version, learner_state)
+    if at_version % cfg.checkpoint_every_versions == 0 or at_version == cfg.num_versions:
+      save_checkpoint(at_version, learner_state, getattr(learner, "taken", None))
+
+  learner_kwargs = {}
+  if "taken" in inspect.signature(LearnerRole).parameters:
+    learner_kwargs["taken"] = taken
+  learner = LearnerRole(
+      state=state, buffer=buffer, channel=channel, timer=timer,
+      update_fn=lambda st, groups, window, v, local: learner_update(parts, st, groups, window,
+                                                                    v, local),
+      copy_params=copy_params, groups_per_update=cfg.groups_per_update,
+      trigger_parameter_sync_step=cfg.trigger_parameter_sync_step,
+      num_versions=cfg.num_versions, start_version=version,
+      on_policy=cfg.staleness_threshold == 0, max_version_gap=cfg.max_version_gap,
+      needs_window_params=cfg.needs_window_params, on_version=on_version,
+      debug_checks=cfg.debug_checks, **learner_kwargs)
+
+  with timer.excluded():
+    last_eval.update(evaluator(state.params, version))
+  writer.write({"policy_version": version, "learner_step": int(state.step),
+                "samples": totals["consumed"], "time_s": timer.wall_s(), **last_eval})
+  with timer.excluded():  # starting processes is not training time
+    fleet.start(restores)
+  try:
+    learner.start()
+    while not learner.done.wait(HEARTBEAT_INTERVAL_S):
+      fleet.check()
+  except KeyboardInterrupt:
+    learner.stop()
+    learner.join(JOIN_TIMEOUT_S)
+    if checkpointer.latest_step() != learner.version:
+      save_checkpoint(learner.version, learner.state, getattr(learner, "taken", None))
+    log(f"interrupted: checkpoint at policy_version {learner.version}")
+    raise
+  finally:
+    learner.stop()
+    if learner.alive:
+      buffer.close()  # wakes the learner if it waits for groups that will not come
+    learner.join(JOIN_TIMEOUT_S)
+    bar.close()
+  if learner.error is not None:
+    raise RolloutServerFailed(f"the learner role failed: {learner.error!r}") from learner.error
+  final_state = learner.state
+  fleet.stop()
+  with timer.excluded():
+    last_eval.update(evaluator(final_state.params, learner.version))
+  writer.write({"policy_version": learner.version, "learner_step": int(final_state.step),
+                "samples": totals["consumed"], "time_s": timer.wall_s(), **last_eval})
+  queued = buffer.discard_queued("shutdown")
+  buffer.check_invariants()
+  parts.state = final_state
+  return {**timer.summary(), **last_eval, **buffer.metrics(), **channel.metrics(),
+          **fleet.rollout_counts(), **fleet.counts,
+          "mode": cfg.mode, "backend": "processes", "num_rollout_servers": fleet.num_servers,
+          "rollout_server_restarts": fleet.restarts, "policy_version": learner.version,
+          "learner_step": int(final_state.step), "consumed_samples": totals["consumed"],
+          "system/samples_per_s": totals["consumed"] / max(timer.wall_s(), 1e-9),
+          "system/tokens_per_s": totals["tokens"] / max(timer.wall_s(), 1e-9),
+          "queue/discarded_at_end": queued, "run_dir": os.path.abspath(run_dir),
+          "checkpoint_dir": checkpointer.directory}
