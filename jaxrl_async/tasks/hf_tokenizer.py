@@ -93,13 +93,15 @@ class HFTokenizer:
     pad_id: used when no pad token is named; None falls back to eos.
     chat_template: Jinja source, or None.
     vocab_size: embedding rows of the model; None = the tokenizer's token count.
+    additional_special_tokens: more special token strings (visible to the chat template).
   """
 
   def __init__(self, tokenizer: tokenizers.Tokenizer, *,
                special_tokens: Mapping[str, str | None], stop_ids: Sequence[int] = (),
                pad_id: int | None = None, chat_template: str | None = None,
-               vocab_size: int | None = None):
+               vocab_size: int | None = None, additional_special_tokens: Sequence[str] = ()):
     self._tokenizer = tokenizer
+    self.additional_special_tokens = [str(t) for t in additional_special_tokens]
     self.special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
     unknown = set(self.special_tokens) - set(SPECIAL_TOKEN_NAMES)
     if unknown:
@@ -148,6 +150,11 @@ class HFTokenizer:
     for name in SPECIAL_TOKEN_NAMES:
       source = config if name in config else token_map
       special[name] = _token_content(source.get(name), f"{name} in {directory}")
+    extra = config.get("additional_special_tokens",
+                       token_map.get("additional_special_tokens")) or []
+    if not isinstance(extra, list):
+      raise ValueError(f"additional_special_tokens in {directory} must be a list, got {extra!r}")
+    extra = [_token_content(t, f"additional_special_tokens in {directory}") for t in extra]
     generation = _read_json(directory / "generation_config.json")
     model = _read_json(directory / "config.json")
     ids_from = generation if "eos_token_id" in generation else model
@@ -158,7 +165,7 @@ class HFTokenizer:
     return cls(tokenizer, special_tokens=special, stop_ids=stop_ids,
                pad_id=pad_ids[0] if pad_ids else None,
                chat_template=_chat_template_source(directory, config),
-               vocab_size=vocab_size)
+               vocab_size=vocab_size, additional_special_tokens=extra)
 
   # ---- tokens -------------------------------------------------------------------------------
   def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> np.ndarray:
@@ -193,6 +200,12 @@ class HFTokenizer:
 
   # ---- chat ---------------------------------------------------------------------------------
   @property
+  def template_context(self) -> dict[str, Any]:
+    """What a chat template sees of the special tokens (as transformers passes them)."""
+    return {**self.special_tokens,
+            "additional_special_tokens": list(self.additional_special_tokens)}
+
+  @property
   def has_chat_template(self) -> bool:
     return self._template is not None
 
@@ -204,7 +217,7 @@ class HFTokenizer:
                        "tokenizer_config.json and no chat_template.jinja)")
     return chat_lib.render_chat(self._template, messages,
                                 add_generation_prompt=add_generation_prompt,
-                                special_tokens=self.special_tokens, **kwargs)
+                                special_tokens=self.template_context, **kwargs)
 
   # ---- pickling (grain may send a task to worker processes) ---------------------------------
   def __getstate__(self):

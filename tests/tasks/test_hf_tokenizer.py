@@ -113,6 +113,16 @@ def test_llama3_chat_template(llama):
   assert ids.count(llama.eos_id) == 2
 
 
+def test_additional_special_tokens_reach_the_template(tmp_path):
+  directory = write_qwen_like(tmp_path / "m")
+  config = json.loads((directory / "tokenizer_config.json").read_text())
+  config["additional_special_tokens"] = ["<|im_start|>", {"content": "<|im_end|>"}]
+  config["chat_template"] = "{{ additional_special_tokens | join(',') }}|{{ eos_token }}"
+  (directory / "tokenizer_config.json").write_text(json.dumps(config))
+  assert HFTokenizer.from_dir(directory).apply_chat_template(CHAT) == (
+      "<|im_start|>,<|im_end|>|<|im_end|>")
+
+
 def test_trim_and_lstrip_blocks_as_transformers():
   template = compile_chat_template(
       "{% for m in messages %}\n  {% if m.role == 'user' %}\nU:{{ m.content }}\n  {% else %}\n"
