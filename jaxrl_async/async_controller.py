@@ -13,19 +13,25 @@ import sys
 
 import jax
 
-from jaxrl_async.buffer import VersionedBuffer, admission_budget
+from jaxrl_async.buffer.groups import decode_sample, encode_sample
+from jaxrl_async.checkpoint import RunCheckpointer
 from jaxrl_async.controller import (
   Parts,
   copy_params,
   learner_update,
+  ledger_audit,
+  make_buffer,
   make_group_requests,
   progress_bar,
+  reward_metrics,
   run_services,
   version_record,
 )
 from jaxrl_async.learner.learner import LearnerRole
+from jaxrl_async.ledger import LEDGER_FILE, SampleLedger, log_offsets, rewind_logs
 from jaxrl_async.rollout.rollouter import Rollouter
 from jaxrl_async.sync.channel import DeviceTransferChannel, OrbaxStoreChannel
+from jaxrl_async.watchdog import Watchdog
 
 JOIN_TIMEOUT_S = 30.0
 # Roles hand the GIL to each other around every device call; Python's default 5 ms switch
@@ -48,15 +54,6 @@ def make_channel(parts: Parts, run_dir):
   return DeviceTransferChannel(parts.logical_axes)
 
 
-def make_buffer(parts: Parts) -> VersionedBuffer:
-  cfg = parts.config
-  budget = admission_budget(cfg.staleness_threshold, cfg.groups_per_version)
-  capacity = max(cfg.buffer_capacity or 0, cfg.group_size * budget)
-  return VersionedBuffer(group_size=cfg.group_size, groups_per_version=cfg.groups_per_version,
-                         staleness_threshold=cfg.staleness_threshold,
-                         max_version_gap=cfg.max_version_gap, capacity=capacity)
-
-
 def run_async(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print) -> dict:
   previous_interval = sys.getswitchinterval()
   sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
@@ -68,20 +65,29 @@ def run_async(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print)
 
 def _run_async(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print) -> dict:
   cfg = parts.config
-  timer, writer, checkpointer, evaluator = run_services(parts, run_dir)
+  checkpointer = RunCheckpointer(os.path.join(run_dir, "checkpoints"), log=log)
   buffer = make_buffer(parts)
   channel = make_channel(parts, run_dir)
   state, version = parts.state, 0
   totals = {"consumed": 0, "tokens": 0}
   rollout_state = {"next_group_id": 0, "inflight": []}
-  if resume and checkpointer.latest_step() is not None:
-    state, run_state, _ = checkpointer.restore(state, parts.prompt_iterator)
+  taken, last_eval = None, {}
+  restored = checkpointer.restore_latest(state, parts.prompt_iterator) if resume else None
+  if restored is not None:
+    state, run_state, _ = restored
+    rewind_logs(run_dir, run_state)
     version = run_state["policy_version"]
     totals = {"consumed": run_state["consumed_samples"], "tokens": run_state["consumed_tokens"]}
     buffer.set_state(run_state["buffer"])
     rollout_state = run_state["rollout"]
+    taken = [[decode_sample(data) for data in group] for group in run_state.get("taken", [])]
+    last_eval = dict(run_state.get("last_eval", {}))
+  timer, writer, evaluator = run_services(parts, run_dir)
+  ledger = SampleLedger(os.path.join(run_dir, LEDGER_FILE))
+  if restored is not None:
     timer.start -= run_state.get("wall_s", 0.0)
-    log(f"resumed from {checkpointer.directory} at policy_version {version}")
+    log(f"resumed from {checkpointer.directory} at policy_version {version}"
+        + (f" with {len(taken)} groups taken for the next update" if taken else ""))
 
   rollouter = Rollouter(
       batcher=parts.new_batcher(), prompts=parts.prompt_iterator, rewards=parts.rewards,
@@ -92,16 +98,23 @@ def _run_async(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print
       partial_strategy=cfg.partial_strategy, next_group_id=rollout_state["next_group_id"],
       reissue=rollout_state["inflight"])
   bar = progress_bar(cfg.num_versions, version, progress)
-  last_eval: dict = {}
+
+  def run_state_now(at_version: int) -> dict:
+    """Call with the rollouter paused (or stopped): the buffer, the prompts in flight, the
+    groups the learner has taken and the logs' lengths then form one consistent point."""
+    ledger.dropped_log(buffer.take_drop_log())
+    return {"policy_version": at_version, "consumed_samples": totals["consumed"],
+            "consumed_tokens": totals["tokens"], "wall_s": timer.wall_s(),
+            "buffer": buffer.get_state(), "rollout": rollouter.snapshot(),
+            "taken": [[encode_sample(s) for s in group] for group in learner.taken or []],
+            "last_eval": last_eval, **log_offsets(run_dir, ledger)}
 
   def save_checkpoint(at_version: int, learner_state) -> None:
     rollouter.pause()
     try:
       with timer.excluded():
-        checkpointer.save(at_version, learner_state, parts.prompt_iterator, {
-            "policy_version": at_version, "consumed_samples": totals["consumed"],
-            "consumed_tokens": totals["tokens"], "wall_s": timer.wall_s(),
-            "buffer": buffer.get_state(), "rollout": rollouter.snapshot()})
+        checkpointer.save(at_version, learner_state, parts.prompt_iterator,
+                          run_state_now(at_version))
     finally:
       rollouter.resume()
 
@@ -116,8 +129,10 @@ def _run_async(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print
       rollouter.resume()
 
   def on_version(at_version, learner_state, groups, accumulated, staleness):
+    watchdog.progress()
     totals["consumed"] += sum(len(g) for g in groups)
     totals["tokens"] += sum(s.num_response_tokens for g in groups for s in g)
+    ledger.consumed(at_version, [g[0].group_id for g in groups])
     sync = channel.metrics()
     record = version_record(parts, timer, at_version, learner_state, groups, accumulated,
                             totals["consumed"], totals["tokens"], {},
@@ -148,22 +163,9 @@ def _run_async(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print
       num_versions=cfg.num_versions, start_version=version,
       on_policy=cfg.staleness_threshold == 0, max_version_gap=cfg.max_version_gap,
       needs_window_params=cfg.needs_window_params, on_version=on_version,
-      debug_checks=cfg.debug_checks)
+      debug_checks=cfg.debug_checks, taken=taken)
 
-  if version == 0 or not last_eval:
-    with timer.excluded():
-      last_eval.update(evaluator(state.params, version))
-    writer.write({"policy_version": version, "learner_step": int(state.step),
-                  "samples": totals["consumed"], "time_s": timer.wall_s(), **last_eval})
-  interrupted = False
-  try:
-    learner.start()
-    rollouter.start()
-    _watch(learner, rollouter)
-  except KeyboardInterrupt:
-    interrupted = True
-    log("interrupted: stopping roles and saving a checkpoint")
-  finally:
+  def stop_roles() -> None:
     learner.stop()
     rollouter.stop()
     buffer.close()
@@ -172,32 +174,76 @@ def _run_async(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print
       rollouter.join(JOIN_TIMEOUT_S)
     finally:
       bar.close()
-  if interrupted:
-    save_checkpoint_after_stop(checkpointer, learner, parts, totals, timer, buffer, rollouter)
-    writer.close()
-    checkpointer.close()
-    channel.close()
-    raise KeyboardInterrupt
-  _raise_role_errors(learner, rollouter)
+
+  def rescue() -> None:  # the watchdog's: stop everything, then save if both roles stopped
+    stop_roles()
+    save_after_stop()
+    log(f"watchdog: checkpoint at policy_version {learner.version} in {checkpointer.directory}")
+
+  def save_after_stop() -> None:
+    """Both roles have stopped, so the snapshot is consistent. The groups in flight are
+    re-issued on resume. If a checkpoint of this version exists, it is itself a consistent
+    point (it holds the groups the learner had taken), and what came after it is replayed."""
+    rollouter.take_drop_log()  # its shutdown drops are in the snapshot, re-issued on resume
+    if checkpointer.latest_step() == learner.version:
+      return
+    if learner.window_groups:  # updates of a cut-short window stay in the state
+      totals["consumed"] += sum(len(g) for g in learner.window_groups)
+      ledger.consumed(learner.version, [g[0].group_id for g in learner.window_groups])
+    checkpointer.save(learner.version, learner.state, parts.prompt_iterator,
+                      run_state_now(learner.version))
+
+  def describe() -> str:
+    return (f"learner version {learner.version}, buffer {buffer.counts}, rollout "
+            f"{rollouter.counts}, ledger {ledger.offset()} bytes")
+
+  watchdog = Watchdog(cfg.watchdog_timeout_s, describe=describe, rescue=rescue)
+  if not last_eval:
+    with timer.excluded():
+      last_eval.update(evaluator(state.params, version))
+    writer.write({"policy_version": version, "learner_step": int(state.step),
+                  "samples": totals["consumed"], "time_s": timer.wall_s(), **last_eval})
+  interrupted = False
+  with watchdog:
+    try:
+      learner.start()
+      rollouter.start()
+      _watch(learner, rollouter)
+    except KeyboardInterrupt:
+      interrupted = True
+      log("interrupted: stopping roles and saving a checkpoint")
+    finally:
+      stop_roles()
+    if interrupted:
+      save_after_stop()
+      for closing in (writer, ledger, checkpointer, channel):
+        closing.close()
+      raise KeyboardInterrupt
+    _raise_role_errors(learner, rollouter)
   final_state = learner.state
   with timer.excluded():
     last_eval.update(evaluator(final_state.params, learner.version))
   writer.write({"policy_version": learner.version, "learner_step": int(final_state.step),
                 "samples": totals["consumed"], "time_s": timer.wall_s(), **last_eval})
   queued = buffer.discard_queued("shutdown")
+  if not rollouter.wait_rewards(JOIN_TIMEOUT_S):
+    log(f"warning: samples still in the reward pool after {JOIN_TIMEOUT_S} s")
+  ledger.dropped_log(buffer.take_drop_log() + rollouter.take_drop_log())
   buffer.check_invariants()
+  audit = ledger_audit(ledger, rollouter.next_group_id, cfg.group_size)
   summary = {**timer.summary(), **last_eval, **buffer.metrics(), **channel.metrics(),
+             **reward_metrics(parts.rewards), **audit,
              "mode": cfg.mode, "policy_version": learner.version,
              "learner_step": int(final_state.step), "consumed_samples": totals["consumed"],
              "system/samples_per_s": totals["consumed"] / max(timer.wall_s(), 1e-9),
              "system/tokens_per_s": totals["tokens"] / max(timer.wall_s(), 1e-9),
              "queue/discarded_at_end": queued,
              "rollout/shutdown_dropped": rollouter.counts["shutdown"],
+             "rollout/next_group_id": rollouter.next_group_id,
              "run_dir": os.path.abspath(run_dir), "checkpoint_dir": checkpointer.directory,
              **{f"rollout/{k}": v for k, v in rollouter.counts.items()}}
-  writer.close()
-  checkpointer.close()
-  channel.close()
+  for closing in (writer, ledger, checkpointer, channel):
+    closing.close()
   parts.state = final_state
   return summary
 
@@ -214,17 +260,3 @@ def _raise_role_errors(learner: LearnerRole, rollouter: Rollouter) -> None:
   for name, role in (("learner", learner), ("rollouter", rollouter)):
     if role.error is not None:
       raise RoleFailed(f"the {name} role failed: {role.error!r}") from role.error
-
-
-def save_checkpoint_after_stop(checkpointer, learner, parts, totals, timer, buffer, rollouter):
-  """After Ctrl-C: both roles have stopped (the rollouter counts as paused once its thread has
-  ended), so the snapshot is consistent; the groups in flight are re-issued on resume. Updates
-  of a version window cut short are kept in the state and the window restarts on resume."""
-  if checkpointer.latest_step() == learner.version:
-    return  # saved at this very version just before the stop: that checkpoint is consistent
-  snapshot = rollouter.snapshot()
-  state = buffer.get_state()
-  checkpointer.save(learner.version, learner.state, parts.prompt_iterator, {
-      "policy_version": learner.version, "consumed_samples": totals["consumed"],
-      "consumed_tokens": totals["tokens"], "wall_s": timer.wall_s(), "buffer": state,
-      "rollout": snapshot})

@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from jaxrl_async import faults
 from jaxrl_async.buffer import buffer_state
 from jaxrl_async.buffer.accounting import LatencyStats, SampleAccounting, check_drop_reason
 from jaxrl_async.buffer.admission import AdmissionLedger
@@ -70,7 +71,7 @@ class VersionedBuffer:
   def __init__(self, *, group_size: int, groups_per_version: int, staleness_threshold: float,
                max_version_gap: int | None, capacity: int,
                group_filter: GroupFilter | None = None, drop_truncated: bool = False,
-               clock: Callable[[], float] = time.time):
+               clock: Callable[[], float] = time.time, record_drops: bool = False):
     budget = check_buffer_config(group_size, groups_per_version, staleness_threshold,
                                  max_version_gap, capacity)
     group_size, capacity = int(group_size), int(capacity)
@@ -100,6 +101,8 @@ class VersionedBuffer:
     self._latency = LatencyStats()
     self._partial: dict[int, PartialGroup] = {}
     self._ready: list[ReadyGroup] = []  # FIFO; popped from the front in batches
+    # (reason, [(group_id, index_in_group), ...]) per drop, for the run's sample ledger
+    self._drop_log: list[tuple[str, list[tuple[int, int]]]] | None = [] if record_drops else None
 
   # ---- producer side ------------------------------------------------------------------------
   def acquire_group_slot(self, timeout: float) -> int:
@@ -203,6 +206,7 @@ class VersionedBuffer:
     is taken from the queue. Returned samples are stamped 'consumed'.
     """
     deadline = check_timeout("get_groups", timeout)
+    faults.point("buffer.get_groups")
     max_groups = self._capacity // self._group_size
     if not is_int(num_groups) or not 1 <= num_groups <= max_groups:
       raise ValueError(f"get_groups: num_groups={num_groups!r} must be an int in [1, "
@@ -265,6 +269,14 @@ class VersionedBuffer:
       self._partial.clear()
       self._ready.clear()
       return discarded
+
+  def take_drop_log(self) -> list[tuple[str, list[tuple[int, int]]]]:
+    """The drops since the last call, as (reason, sample uids); needs `record_drops=True`."""
+    if self._drop_log is None:
+      raise RuntimeError("take_drop_log needs a buffer built with record_drops=True")
+    with self._lock:
+      log, self._drop_log = self._drop_log, []
+    return log
 
   # ---- observability ------------------------------------------------------------------------
   @property
@@ -383,6 +395,8 @@ class VersionedBuffer:
 
   def _drop_locked(self, samples: list[Sample], admitted: bool, reason: str) -> None:
     self._acc.record_drop(reason, len(samples), 1)
+    if self._drop_log is not None:
+      self._drop_log.append((reason, [sample.uid for sample in samples]))
     if self._ledger.finish_group(admitted, dropped=True) and self._waiting["admission"]:
       self._admission_cv.notify_all()
     if self._waiting["space"]:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import jax
 
+from jaxrl_async import faults
 from jaxrl_async.buffer import BufferClosed, BufferTimeout, VersionedBuffer
 from jaxrl_async.metrics import RoleTimer, staleness_metrics, sum_pairs
 from jaxrl_async.roles import RoleThread
@@ -49,7 +50,7 @@ class LearnerRole(RoleThread):
                trigger_parameter_sync_step: int, num_versions: int, start_version: int,
                on_policy: bool, max_version_gap: int | None, needs_window_params: bool,
                on_version: Callable[[int, object, list, dict, dict], None],
-               debug_checks: bool = True, poll_s: float = 0.05):
+               debug_checks: bool = True, poll_s: float = 0.05, taken: list | None = None):
     super().__init__("learner")
     self.state = state
     self.buffer = buffer
@@ -69,6 +70,11 @@ class LearnerRole(RoleThread):
     self.poll_s = poll_s
     self.wait_s = 0.0  # time blocked on the buffer
     self.done = threading.Event()
+    # Groups taken from the buffer and not trained on yet (the next update's, taken before a
+    # version is published). They have left the buffer, so a checkpoint must save them: see
+    # `taken_groups`. A restored run passes them back here; they are trained first.
+    self.taken: list | None = list(taken) if taken else None
+    self.window_groups: list = []  # trained in the current, unfinished version window
 
   def _get_groups(self):
     began = time.perf_counter()
@@ -98,18 +104,23 @@ class LearnerRole(RoleThread):
   def stopping(self) -> bool:
     return self._stop.is_set()
 
+  def _publish(self) -> None:
+    faults.point("sync.publish")
+    with self.timer.busy("sync"):
+      self.channel.publish(self.version, self.state.params)
+
   def run(self) -> None:
     if self.channel.latest_version() < self.version:
-      with self.timer.busy("sync"):
-        self.channel.publish(self.version, self.state.params)
-    ready = None  # groups taken for this version before it was published
+      self._publish()
     # Groups already taken are trained on even when a stop comes meanwhile: they have left the
     # buffer (counted as consumed), so dropping them here would lose them silently.
-    while self.version < self.num_versions and (ready is not None or not self._stop.is_set()):
+    while self.version < self.num_versions and (self.taken is not None
+                                                or not self._stop.is_set()):
       window_params = self.copy_params(self.state.params) if self.needs_window_params else None
-      consumed, accumulated = [], {}
+      accumulated = {}
+      self.window_groups = []
       for local in range(self.trigger):
-        groups, ready = (ready, None) if ready is not None else (self._get_groups(), None)
+        groups = self.taken if self.taken is not None else self._get_groups()
         if groups is None:
           return
         if self.debug_checks:
@@ -119,14 +130,16 @@ class LearnerRole(RoleThread):
           self.state, metrics = self.update_fn(self.state, groups, window_params,
                                                self.version, local)
           accumulated = sum_pairs(accumulated, jax.device_get(metrics))
-        consumed.extend(groups)
+        self.taken = None  # trained: the state now holds them
+        self.window_groups.extend(groups)
       self.version += 1
+      consumed, self.window_groups = self.window_groups, []
       # Groups already queued are taken at the new version before it is announced, so the
       # rollouter's new admission window does not count them as carried over (they are
       # consumed, with their gap measured against the new version).
       if self.version < self.num_versions and not self._stop.is_set():
-        ready = self._take_ready_groups()
-      with self.timer.busy("sync"):
-        self.channel.publish(self.version, self.state.params)
+        self.taken = self._take_ready_groups()
+      faults.point("learner.take_publish")
+      self._publish()
       self.on_version(self.version, self.state, consumed, accumulated,
                       staleness_metrics(consumed, self.version - 1))

@@ -17,6 +17,7 @@ import time
 import jax
 import numpy as np
 
+from jaxrl_async import faults
 from jaxrl_async.rollout.engine import Engine
 from jaxrl_async.types import FinishReason, Sample
 
@@ -152,6 +153,7 @@ class ContinuousBatcher:
     """Refill free slots (if `admit`), run one generate call, return the finished samples."""
     if self.params is None:
       raise RuntimeError("set_params must be called before step")
+    faults.point("rollout.decode_step")
     if admit:
       self._refill()
     if self.num_active == 0:

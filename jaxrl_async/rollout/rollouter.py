@@ -61,6 +61,7 @@ class Rollouter(RoleThread):
     self._rewarding_cv = threading.Condition(self._lock)
     self.counts = {"interrupted": 0, "swaps": 0, "shutdown": 0, "groups_started": 0}
     self._draining = False
+    self._drop_log: list[tuple[str, list[tuple[int, int]]]] = []  # for the run's ledger
 
   # ---- pause / snapshot (for checkpoints and evaluation) -------------------------------------
   def pause(self, timeout: float = 60.0) -> None:
@@ -190,22 +191,41 @@ class Rollouter(RoleThread):
   # ---- reward and hand-off -------------------------------------------------------------------
   def _to_reward(self, samples) -> None:
     """The samples finished by one step, scored as one batch, then put into the buffer."""
-    count = len(samples)
+    samples = list(samples)
     with self._lock:
-      self._rewarding += count
+      self._rewarding += len(samples)
     self.rewards.submit_many(samples).add_done_callback(
-        lambda future: self._on_rewarded(future, count))
+        lambda future: self._on_rewarded(future, samples))
 
-  def _on_rewarded(self, future, count: int) -> None:
+  def _on_rewarded(self, future, samples) -> None:
     try:
       for sample in future.result():
         self._put(sample)
     except BaseException as error:  # the reward pool itself failed (shut down under us)
-      self._fail(error)
+      if self._stop.is_set():
+        self._count_shutdown(samples)
+      else:
+        self._fail(error)
     finally:
       with self._rewarding_cv:
-        self._rewarding -= count
+        self._rewarding -= len(samples)
         self._rewarding_cv.notify_all()
+
+  def _count_shutdown(self, samples) -> None:
+    with self._lock:
+      self.counts["shutdown"] += len(samples)
+      self._drop_log.append(("shutdown", [sample.uid for sample in samples]))
+
+  def wait_rewards(self, timeout: float) -> bool:
+    """Waits until no sample is in the reward pool; False if some still are after `timeout`."""
+    with self._rewarding_cv:
+      return self._rewarding_cv.wait_for(lambda: self._rewarding == 0, timeout)
+
+  def take_drop_log(self) -> list[tuple[str, list[tuple[int, int]]]]:
+    """Samples this role dropped since the last call, as (reason, sample uids)."""
+    with self._lock:
+      log, self._drop_log = self._drop_log, []
+    return log
 
   def _put(self, sample) -> None:
     try:
@@ -217,8 +237,7 @@ class Rollouter(RoleThread):
           if not entry["missing"]:
             del self._inflight[sample.group_id]
     except BufferClosed:
-      with self._lock:
-        self.counts["shutdown"] += 1
+      self._count_shutdown([sample])
     except BaseException as error:  # a full buffer past its timeout is a role failure
       self._fail(error)
 
@@ -228,6 +247,14 @@ class Rollouter(RoleThread):
     self._stop.set()
 
   def _shutdown_accounting(self) -> None:
+    """At the end: samples in the slots, waiting for a slot, or never re-issued are dropped
+    under 'shutdown' (the prompts were produced, so the ledger must say where they went). The
+    groups stay in `snapshot()`: a checkpoint after a stop re-issues them instead, and then the
+    controller discards this log."""
     aborted = self.batcher.abort_active() + [r.sample for r in self.batcher.take_pending()]
+    uids = [sample.uid for sample in aborted]
+    uids += [(entry["group_id"], index) for entry in self._reissue for index in entry["missing"]]
     with self._lock:
-      self.counts["shutdown"] += len(aborted)
+      self.counts["shutdown"] += len(uids)
+      if uids:
+        self._drop_log.append(("shutdown", uids))
