@@ -9,8 +9,12 @@ groups; `trigger_parameter_sync_step` local updates make one policy version.
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from typing import Any
 
+from jaxrl_async.buffer.admission import admission_budget
+from jaxrl_async.buffer.groups import drop_uniform_reward
 from jaxrl_async.learner.sft import WarmStartConfig
 from jaxrl_async.learner.step import LearnerConfig
 from jaxrl_async.rollout.generation import PARTIAL_STRATEGIES
@@ -21,6 +25,7 @@ MODES = ("sync", "on_policy", "stream_off_policy", "async_stale", "async_partial
 SYNC_BACKENDS = ("device", "store")
 BACKENDS = ("threads", "processes", "ray")
 METRIC_SINKS = ("tensorboard", "wandb")
+GROUP_FILTERS = (None, "uniform_reward")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,11 +75,26 @@ class RunConfig:
   checkpoint_every_versions: int = 50
   buffer_capacity: int | None = None  # samples; None = enough for the admission budget
   debug_checks: bool = True  # assert the staleness invariants on every consumed batch
+  drop_truncated: bool = False  # drop samples cut at the length limit (counted 'truncated')
+  group_filter: str | None = None  # 'uniform_reward': drop groups with equal rewards (DAPO)
+  # No policy version for this long: print every thread's stack, checkpoint if possible, exit 3.
+  watchdog_timeout_s: float | None = 1800.0
   # Beside metrics.jsonl: 'tensorboard' (when tensorboardX is installed), 'wandb' (offline).
   metric_sinks: tuple[str, ...] = ("tensorboard",)
 
   def __post_init__(self):
+    check_field_types(self)
     _choice("mode", self.mode, MODES)
+    _choice("group_filter", self.group_filter, GROUP_FILTERS)
+    if self.watchdog_timeout_s is not None and not self.watchdog_timeout_s > 0:
+      raise ValueError(f"watchdog_timeout_s must be > 0 or None (off), got "
+                       f"{self.watchdog_timeout_s}")
+    if self.buffer_capacity is not None and self.buffer_capacity < self.min_capacity:
+      raise ValueError(
+          f"buffer_capacity={self.buffer_capacity} must be >= group_size * floor((1 + "
+          f"staleness_threshold) * groups_per_version) = {self.group_size} * "
+          f"{self.min_capacity // self.group_size} = {self.min_capacity} (or None): a smaller "
+          "buffer can fill with partial groups and deadlock")
     _choice("partial_strategy", self.partial_strategy, PARTIAL_STRATEGIES)
     _choice("sync_backend", self.sync_backend, SYNC_BACKENDS)
     _choice("backend", self.backend, BACKENDS)
@@ -122,6 +142,19 @@ class RunConfig:
                        "is in flight across a version boundary)")
 
   @property
+  def min_capacity(self) -> int:
+    """Samples the buffer must hold: every group the admission budget lets start."""
+    return self.group_size * admission_budget(self.staleness_threshold, self.groups_per_version)
+
+  @property
+  def capacity(self) -> int:
+    return self.buffer_capacity if self.buffer_capacity is not None else self.min_capacity
+
+  @property
+  def group_filter_fn(self):
+    return drop_uniform_reward if self.group_filter == "uniform_reward" else None
+
+  @property
   def groups_per_update(self) -> int:
     return self.mini_batch_size * self.require_batches
 
@@ -156,3 +189,38 @@ def _choice(name: str, value, allowed) -> None:
 def _positive_int(name: str, value) -> None:
   if not isinstance(value, int) or value < 1:
     raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def check_field_types(config) -> None:
+  """Each field's value has its annotated type (a gin binding of the wrong type fails here,
+  naming the field, before any comparison can raise an unnamed TypeError)."""
+  hints = typing.get_type_hints(type(config))
+  for field in dataclasses.fields(config):
+    value = getattr(config, field.name)
+    allowed = _allowed_types(hints[field.name])
+    if allowed is None:
+      continue
+    if isinstance(value, allowed) and not (isinstance(value, bool) and bool not in allowed):
+      continue
+    names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
+    raise TypeError(f"{type(config).__name__}.{field.name} must be {names}, got "
+                    f"{value!r} ({type(value).__name__})")
+
+
+def _allowed_types(hint) -> tuple[type, ...] | None:
+  """The isinstance() types a hint allows (None: not checked). float admits ints."""
+  if hint is Any:
+    return None
+  if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+    parts = [_allowed_types(arg) for arg in typing.get_args(hint)]
+    if any(part is None for part in parts):
+      return None
+    return tuple(t for part in parts for t in part)
+  origin = typing.get_origin(hint)
+  if origin in (tuple, list):
+    return (tuple, list)
+  if hint is float:
+    return (float, int)
+  if hint is type(None):
+    return (type(None),)
+  return (hint,) if isinstance(hint, type) else None

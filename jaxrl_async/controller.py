@@ -11,18 +11,29 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import time
 from typing import Any
 
 import jax
 import numpy as np
 
-from jaxrl_async import sharding
+from jaxrl_async import faults, sharding
+from jaxrl_async.buffer import VersionedBuffer
 from jaxrl_async.checkpoint import RunCheckpointer, check_run_dir
 from jaxrl_async.config import RunConfig
 from jaxrl_async.learner import step as step_lib
 from jaxrl_async.learner.batching import bucket_length, collate, longest_sequence, pack
 from jaxrl_async.learner.sft import cached_base_policy
+from jaxrl_async.ledger import (
+  LEDGER_FILE,
+  SampleLedger,
+  audit,
+  audit_metrics,
+  log_offsets,
+  read_events,
+  rewind_logs,
+)
 from jaxrl_async.metrics import RoleTimer, reduce_metrics, staleness_metrics, sum_pairs
 from jaxrl_async.model import get_config, init_model, param_logical_axes, split_model
 from jaxrl_async.rollout.engine import Engine
@@ -32,7 +43,11 @@ from jaxrl_async.rollout.rewards import RewardPool
 from jaxrl_async.sinks import make_writer
 from jaxrl_async.tasks import prompts as prompts_lib
 from jaxrl_async.tasks.reverse import DigitReverseTask
-from jaxrl_async.types import RewardStatus, Sample
+from jaxrl_async.types import Sample
+from jaxrl_async.watchdog import Watchdog
+
+# Sync mode never waits on another role: a buffer call that blocks this long is a bug.
+ADMISSION_TIMEOUT_S = 60.0
 
 
 @dataclasses.dataclass
@@ -156,10 +171,6 @@ def learner_update(parts: Parts, state, groups, window_params, version: int,
   return state, metrics
 
 
-def group_ok(group: list[Sample]) -> bool:
-  return all(s.reward_status == RewardStatus.OK.value for s in group)
-
-
 class Evaluator:
   """Held-out accuracy on its own decode state (never disturbs the rollout's slots)."""
 
@@ -206,129 +217,177 @@ def progress_bar(total: int, initial: int, enabled: bool):
 
 
 def run_services(parts: Parts, run_dir):
-  """What every mode's loop records with: role timer, metrics sink, checkpointer, evaluator."""
+  """What every mode's loop records with: role timer, metrics sink, evaluator. A resumed run
+  makes them after the restore has cut the logs back to the checkpoint (ledger.rewind_logs)."""
   timer = RoleTimer()
   parts.rewards.timer = timer  # reward scoring counts as the 'reward' role's busy time
-  return (timer, make_writer(run_dir, timer, parts.config.metric_sinks),
-          RunCheckpointer(os.path.join(run_dir, "checkpoints")), Evaluator(parts))
+  return timer, make_writer(run_dir, timer, parts.config.metric_sinks), Evaluator(parts)
+
+
+def make_buffer(parts: Parts) -> VersionedBuffer:
+  """The buffer of every mode: in sync mode it only assembles groups and counts drops, with
+  the same rules as in the async modes (so both keep put == consumed + dropped + queued)."""
+  cfg = parts.config
+  return VersionedBuffer(group_size=cfg.group_size, groups_per_version=cfg.groups_per_version,
+                         staleness_threshold=cfg.staleness_threshold,
+                         max_version_gap=cfg.max_version_gap, capacity=cfg.capacity,
+                         group_filter=cfg.group_filter_fn, drop_truncated=cfg.drop_truncated,
+                         record_drops=True)
+
+
+def reward_metrics(rewards: RewardPool) -> dict[str, int]:
+  """`reward/retries` and the outcome counts of the reward pool, over the run so far."""
+  return {f"reward/{name}": int(count) for name, count in rewards.counts.items()}
+
+
+def ledger_audit(ledger: SampleLedger, next_group_id: int, group_size: int) -> dict:
+  """The sample ledger's audit at the end of a run, as `ledger/...` figures; a lost or
+  duplicated sample is reported on stderr (the summary says how many)."""
+  result = audit(read_events(ledger.path), next_group_id=next_group_id, group_size=group_size)
+  if result["missing"] or result["duplicates"] or result["unknown"]:
+    print(f"warning: sample ledger {ledger.path}: {len(result['missing'])} samples lost, "
+          f"{len(result['duplicates'])} counted twice, {len(result['unknown'])} unknown "
+          f"(first lost: {result['missing'][:5]}, first twice: {result['duplicates'][:5]})",
+          file=sys.stderr)
+  return audit_metrics(result)
 
 
 def run_sync(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print):
   """The baseline: rollout -> reward -> old logprob -> update -> push weights, in turn."""
   cfg = parts.config
-  timer, writer, checkpointer, evaluator = run_services(parts, run_dir)
+  checkpointer = RunCheckpointer(os.path.join(run_dir, "checkpoints"), log=log)
+  buffer = make_buffer(parts)
   batcher = parts.new_batcher()
   state = parts.state
-  version, next_group, consumed, tokens_consumed, dropped = 0, 0, 0, 0, {}
-  if resume and checkpointer.latest_step() is not None:
-    state, run_state, _ = checkpointer.restore(state, parts.prompt_iterator)
+  version, next_group, consumed, tokens_consumed = 0, 0, 0, 0
+  restored = checkpointer.restore_latest(state, parts.prompt_iterator) if resume else None
+  if restored is not None:
+    state, run_state, _ = restored
+    rewind_logs(run_dir, run_state)
     version, next_group = run_state["policy_version"], run_state["next_group_id"]
     consumed, tokens_consumed = run_state["consumed_samples"], run_state["consumed_tokens"]
-    dropped = run_state["dropped"]
+    buffer.set_state(run_state["buffer"])
+  timer, writer, evaluator = run_services(parts, run_dir)
+  ledger = SampleLedger(os.path.join(run_dir, LEDGER_FILE))
+  if restored is not None:
     timer.start -= run_state.get("wall_s", 0.0)
     log(f"resumed from {checkpointer.directory} at policy_version {version}")
+  buffer.publish_version(version)
   window_params = copy_params(state.params) if cfg.needs_window_params else None
   batcher.set_params(copy_params(state.params), version)
   last_eval: dict[str, float] = {}
   bar = progress_bar(cfg.num_versions, version, progress)
 
-  def save():
-    checkpointer.save(version, state, parts.prompt_iterator, {
-        "policy_version": version, "next_group_id": next_group, "consumed_samples": consumed,
-        "consumed_tokens": tokens_consumed, "dropped": dropped, "wall_s": timer.wall_s()})
+  def run_state_now() -> dict:
+    ledger.dropped_log(buffer.take_drop_log())
+    return {"policy_version": version, "next_group_id": next_group,
+            "consumed_samples": consumed, "consumed_tokens": tokens_consumed,
+            "wall_s": timer.wall_s(), "buffer": buffer.get_state(),
+            **log_offsets(run_dir, ledger)}
+
+  def describe() -> str:
+    return f"sync at policy_version {version}, buffer {buffer.counts}"
 
   boundary = None
+  watchdog = Watchdog(cfg.watchdog_timeout_s, describe=describe)
   try:
-    while version < cfg.num_versions:
-      if version % cfg.eval_every_versions == 0:
-        with timer.excluded():
-          last_eval = evaluator(state.params, version)
-        writer.write({"policy_version": version, "learner_step": int(state.step),
-                      "samples": consumed, "time_s": timer.wall_s(), **last_eval})
-      # Where this version starts: a Ctrl-C before its first update checkpoints this point.
-      boundary = (parts.prompt_iterator.get_state(), next_group, state)
-      requests = []
-      for _ in range(cfg.groups_per_version):
-        requests += make_group_requests(next(parts.prompt_iterator), next_group,
-                                        cfg.group_size, cfg.seed)
-        next_group += 1
-      with timer.busy("rollout"):
-        samples = batcher.run_to_completion(requests)
-      samples = parts.rewards.score_all(samples)
-      groups = _assemble_groups(samples, cfg.group_size, dropped)
-      if cfg.debug_checks:
-        gap = staleness_metrics(groups, version)["algo/version_gap_max"]
-        assert gap == 0, f"sync mode consumed a token with version gap {gap}"
-      accumulated: dict = {}
-      with timer.busy("learner"):
-        for local in range(cfg.trigger_parameter_sync_step):
-          # After drops a chunk may be short: it trains as it is (padded with empty rows).
-          chunk = groups[local * cfg.groups_per_update:(local + 1) * cfg.groups_per_update]
-          if not chunk:
-            break
-          state, metrics = learner_update(parts, state, chunk, window_params, version, local)
-          accumulated = sum_pairs(accumulated, jax.device_get(metrics))
-      consumed += sum(len(g) for g in groups)
-      tokens_consumed += sum(s.num_response_tokens for g in groups for s in g)
-      with timer.busy("sync"):
-        began = time.perf_counter()
-        window_params = copy_params(state.params) if cfg.needs_window_params else None
-        batcher.set_params(copy_params(state.params), version + 1)
-        jax.block_until_ready(batcher.params)
-        sync_latency = time.perf_counter() - began
-      version += 1
-      record = version_record(parts, timer, version, state, groups, accumulated, consumed,
-                               tokens_consumed, dropped, sync_latency)
-      writer.write(record)
-      bar.set_postfix(reward=f"{record['result/reward_mean']:.3f}",
-                      acc=f"{last_eval.get('eval/accuracy', float('nan')):.3f}")
-      bar.update(1)
-      if version % cfg.checkpoint_every_versions == 0 or version == cfg.num_versions:
-        with timer.excluded():
-          save()
-    with timer.excluded():
-      last_eval = evaluator(state.params, version)
-    writer.write({"policy_version": version, "learner_step": int(state.step),
-                  "samples": consumed, "time_s": timer.wall_s(), **last_eval})
+    with watchdog:
+      while version < cfg.num_versions:
+        if version % cfg.eval_every_versions == 0:
+          with timer.excluded():
+            last_eval = evaluator(state.params, version)
+          writer.write({"policy_version": version, "learner_step": int(state.step),
+                        "samples": consumed, "time_s": timer.wall_s(), **last_eval})
+        # Where this version starts: a Ctrl-C before its first update checkpoints this point.
+        boundary = (parts.prompt_iterator.get_state(), next_group, state, run_state_now())
+        requests = []
+        for _ in range(cfg.groups_per_version):
+          buffer.acquire_group_slot(timeout=ADMISSION_TIMEOUT_S)
+          requests += make_group_requests(next(parts.prompt_iterator), next_group,
+                                          cfg.group_size, cfg.seed)
+          next_group += 1
+        with timer.busy("rollout"):
+          samples = batcher.run_to_completion(requests)
+        for sample in parts.rewards.score_all(samples):
+          buffer.put(sample, timeout=ADMISSION_TIMEOUT_S)
+        groups = _take_ready(buffer, version)
+        if cfg.debug_checks:
+          gap = staleness_metrics(groups, version)["algo/version_gap_max"]
+          assert gap == 0, f"sync mode consumed a token with version gap {gap}"
+        accumulated: dict = {}
+        with timer.busy("learner"):
+          for local in range(cfg.trigger_parameter_sync_step):
+            # After drops a chunk may be short: it trains as it is (padded with empty rows).
+            chunk = groups[local * cfg.groups_per_update:(local + 1) * cfg.groups_per_update]
+            if not chunk:
+              break
+            state, metrics = learner_update(parts, state, chunk, window_params, version, local)
+            accumulated = sum_pairs(accumulated, jax.device_get(metrics))
+        consumed += sum(len(g) for g in groups)
+        tokens_consumed += sum(s.num_response_tokens for g in groups for s in g)
+        faults.point("sync.publish")
+        with timer.busy("sync"):
+          began = time.perf_counter()
+          window_params = copy_params(state.params) if cfg.needs_window_params else None
+          batcher.set_params(copy_params(state.params), version + 1)
+          jax.block_until_ready(batcher.params)
+          sync_latency = time.perf_counter() - began
+        version += 1
+        buffer.publish_version(version)
+        watchdog.progress()
+        ledger.consumed(version, [g[0].group_id for g in groups])
+        record = version_record(parts, timer, version, state, groups, accumulated, consumed,
+                                tokens_consumed, {}, sync_latency)
+        record.update(buffer.metrics())
+        record.update(reward_metrics(parts.rewards))
+        writer.write(record)
+        bar.set_postfix(reward=f"{record['result/reward_mean']:.3f}",
+                        acc=f"{last_eval.get('eval/accuracy', float('nan')):.3f}")
+        bar.update(1)
+        if version % cfg.checkpoint_every_versions == 0 or version == cfg.num_versions:
+          with timer.excluded():
+            checkpointer.save(version, state, parts.prompt_iterator, run_state_now())
+      with timer.excluded():
+        last_eval = evaluator(state.params, version)
+      writer.write({"policy_version": version, "learner_step": int(state.step),
+                    "samples": consumed, "time_s": timer.wall_s(), **last_eval})
   except KeyboardInterrupt:
     # Nothing of this version was trained yet (the update donates the old state, so a
     # deleted boundary state means an update ran): rewind the prompts and save the boundary.
     if boundary is not None and not _deleted(boundary[2]):
       parts.prompt_iterator.set_state(boundary[0])
       next_group, state = boundary[1], boundary[2]
-      save()
+      checkpointer.save(version, state, parts.prompt_iterator, boundary[3])
       log(f"interrupted: checkpoint at policy_version {version} in {checkpointer.directory}")
     raise
   finally:
     bar.close()
     writer.close()
     checkpointer.close()
+  ledger.dropped_log(buffer.take_drop_log())
+  buffer.check_invariants()
+  audit_figures = ledger_audit(ledger, next_group, cfg.group_size)
+  ledger.close()
   parts.state = state
-  return {**timer.summary(), **last_eval, "mode": cfg.mode, "policy_version": version,
+  return {**timer.summary(), **last_eval, **buffer.metrics(), **reward_metrics(parts.rewards),
+          **audit_figures, "mode": cfg.mode, "policy_version": version,
           "learner_step": int(state.step), "consumed_samples": consumed,
           "system/samples_per_s": consumed / max(timer.wall_s(), 1e-9),
-          "run_dir": os.path.abspath(run_dir), "checkpoint_dir": checkpointer.directory,
-          **{f"queue/dropped/{k}": v for k, v in dropped.items()}}
+          "rollout/next_group_id": next_group,
+          "run_dir": os.path.abspath(run_dir), "checkpoint_dir": checkpointer.directory}
 
 
 def _deleted(state) -> bool:
   return any(x.is_deleted() for x in jax.tree.leaves(state.params))
 
 
-def _assemble_groups(samples, group_size: int, dropped: dict) -> list[list[Sample]]:
-  by_group: dict[int, list[Sample]] = {}
-  for sample in samples:
-    by_group.setdefault(sample.group_id, []).append(sample)
-  groups = []
-  for group_id in sorted(by_group):
-    group = sorted(by_group[group_id], key=lambda s: s.meta["index_in_group"])
-    if len(group) == group_size and group_ok(group):
-      groups.append(group)
-      continue
-    reason = "reward_timeout" if any(s.reward_status == "timeout" for s in group) else (
-        "reward_failed")
-    dropped[reason] = dropped.get(reason, 0) + len(group)
-  return groups
+def _take_ready(buffer: VersionedBuffer, version: int) -> list[list[Sample]]:
+  """Every whole group the version made (the rest were dropped), in group id order."""
+  ready = int(buffer.metrics()["queue/ready_groups"])
+  if ready == 0:
+    return []
+  groups = buffer.get_groups(ready, version, timeout=ADMISSION_TIMEOUT_S)
+  return sorted(groups, key=lambda group: group[0].group_id)
 
 
 def version_record(parts, timer, version, state, groups, accumulated, consumed, tokens,
