@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from jaxrl_async import faults
 from jaxrl_async.types import RewardStatus, Sample
 
 RewardFn = Callable[..., float]  # (prompt_tokens, response_tokens, meta) -> float
@@ -44,7 +45,7 @@ class RewardPool:
     self.max_retries = max_retries
     self.clock = clock
     self.num_workers = num_workers
-    self._calls = cf.ThreadPoolExecutor(4 * num_workers, thread_name_prefix="reward-call")
+    self._calls = _CallThreads(2 * num_workers)
     self._drivers = cf.ThreadPoolExecutor(num_workers, thread_name_prefix="reward-driver")
     self._lock = threading.Lock()
     self.counts = {"ok": 0, "failed": 0, "timeout": 0, "retries": 0}
@@ -60,6 +61,7 @@ class RewardPool:
       if abandoned.is_set():
         return
       try:
+        faults.point("reward.call")
         results.put((True, self.reward_fn(sample.prompt_tokens, sample.response_tokens,
                                           sample.meta)))
       except Exception as error:  # a verifier's error is data here: counted, retried
@@ -87,6 +89,7 @@ class RewardPool:
             ok, value = results.get(timeout=self.timeout_s)
           except queue.Empty:  # this call hangs: abandon it, go on with the rest elsewhere
             abandoned.set()
+            self._calls.replace_one()
             self._retry_or_finish(samples[i], RewardStatus.TIMEOUT, todo, i)
             todo.extend(batch[position + 1:])
             break
@@ -133,7 +136,40 @@ class RewardPool:
 
   def close(self) -> None:
     self._drivers.shutdown(wait=False, cancel_futures=True)
-    self._calls.shutdown(wait=False, cancel_futures=True)
+    self._calls.shutdown()
+
+
+class _CallThreads:
+  """Daemon threads running submitted calls from one queue. A thread stuck in a call that
+  never returns is written off with `replace_one()`, which starts another in its place."""
+
+  def __init__(self, num_threads: int):
+    self._queue: queue.SimpleQueue = queue.SimpleQueue()
+    self._closed = threading.Event()
+    self._started = 0
+    for _ in range(num_threads):
+      self.replace_one()
+
+  def replace_one(self) -> None:
+    self._started += 1
+    threading.Thread(target=self._work, name=f"reward-call-{self._started}",
+                     daemon=True).start()
+
+  def submit(self, fn, *args) -> None:
+    if self._closed.is_set():
+      raise RuntimeError("the reward pool is closed")
+    self._queue.put((fn, args))
+
+  def _work(self) -> None:
+    while not self._closed.is_set():
+      try:
+        fn, args = self._queue.get(timeout=0.5)
+      except queue.Empty:
+        continue
+      fn(*args)
+
+  def shutdown(self) -> None:
+    self._closed.set()
 
 
 def _finite_float(value) -> float | None:
