@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import numpy as np
@@ -122,7 +123,8 @@ def main(argv=None) -> int:
     print(json.dumps({"process_id": jax.process_index(), "num_processes": jax.process_count(),
                       "global_devices": len(jax.devices()),
                       "local_devices": len(jax.local_devices()),
-                      "mesh": dict(mesh.shape), "loss": loss, "source": spec.source}),
+                      "mesh": dict(mesh.shape), "loss": loss, "source": spec.source,
+                      "role": os.environ.get("JAXRL_ROLE", "")}),
           flush=True)
   finally:
     distributed.shutdown()

@@ -1,0 +1,1 @@
+"""Cloud TPU VM slices: one command per host, with jax.distributed set up on each."""
