@@ -64,6 +64,10 @@ class BufferService:
     self.authkey = os.urandom(16)
     self._clients: dict[str, _Client] = {}
     self._lock = threading.Lock()
+    # Every group a rollout server started through this service: group id -> prompt id; and
+    # the group ids handed from a revoked client to its successor (for the run's ledger).
+    self.started: dict[int, int] = {}
+    self.reissued: list[int] = []
     self._server = wire.Server(self._open, self.authkey, name="buffer-service")
     self.address = self._server.address
 
@@ -103,6 +107,7 @@ class BufferService:
                    "missing": sorted(entry["missing"]), "admitted": True}
                   for gid, entry in sorted(client.inflight.items())]
       client.inflight.clear()
+    self.reissued.extend(entry["group_id"] for entry in inflight)
     self._publish_oldest()
     return {"inflight": inflight, "prompt_state": client.prompt_state,
             "next_group_id": client.next_group_id}
@@ -182,6 +187,7 @@ class BufferService:
         for entry in starts[:count]:
           client.inflight[int(entry["group_id"])] = {"problem": entry["problem"],
                                                      "missing": set(entry["missing"])}
+          self.started.setdefault(int(entry["group_id"]), int(entry["problem"]["prompt_id"]))
           if entry.get("prompt_state") is not None:
             client.prompt_state = entry["prompt_state"]
             client.next_group_id = entry["next_group_id"]

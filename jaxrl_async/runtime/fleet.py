@@ -12,6 +12,8 @@ run with that error: restarting it would only repeat it.
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 from typing import Any
 
@@ -31,7 +33,7 @@ class Fleet:
 
   def __init__(self, config, service: BufferService, channel_spec: dict, *,
                cores: list[list[int]], heartbeat_timeout_s: float, max_restarts: int = 8,
-               log=print):
+               status_path: str | None = None, log=print):
     self.config = config
     self.service = service
     self.channel_spec = channel_spec
@@ -39,6 +41,7 @@ class Fleet:
     self.heartbeat_timeout_s = heartbeat_timeout_s
     self.max_restarts = max_restarts
     self.log = log
+    self.status_path = status_path  # JSON: each server's pid, cores and client id
     self.num_servers = len(cores)
     self.servers: list[RolloutProcess | None] = [None] * self.num_servers
     self.client_ids: list[str] = [""] * self.num_servers
@@ -80,9 +83,20 @@ class Fleet:
             "buffer": buffer, "channel": self.channel_spec, "restore": restore}
     server = RolloutProcess(spec, cores=self.cores[index], name=f"rollout-server-{index}")
     self.servers[index], self.client_ids[index] = server, client_id
+    self._write_status()
     server.start(self.heartbeat_timeout_s)
     if self._paused:
       server.pause(self.heartbeat_timeout_s * 6)
+
+  def _write_status(self) -> None:
+    if self.status_path is None:
+      return
+    status = [{"server": index, "pid": server.pid, "cores": server.cores,
+               "client_id": self.client_ids[index]}
+              for index, server in enumerate(self.servers) if server is not None]
+    with open(self.status_path + ".tmp", "w", encoding="utf-8") as f:
+      json.dump({"servers": status, "restarts": self.restarts}, f)
+    os.replace(self.status_path + ".tmp", self.status_path)
 
   def replace(self, index: int, reason: str) -> None:
     """Kills server `index` and starts its successor with the dead one's unfinished work."""

@@ -77,6 +77,15 @@ def make_channel(parts, run_dir):
           {"kind": "store", "location": directory})
 
 
+def write_ledger(path: str, service: BufferService, consumed: list[list[int]]) -> None:
+  """This invocation's groups: every group a server started (group id -> prompt id), the ones
+  consumed, and the ones re-issued after a server was lost. A started group that was not
+  consumed ended as a drop, counted under its reason in the summary."""
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump({"started": {str(g): p for g, p in sorted(service.started.items())},
+               "consumed": consumed, "reissued": sorted(service.reissued)}, f)
+
+
 def run_processes(parts, run_dir, *, resume: bool, progress: bool, log=print) -> dict:
   cfg = parts.config
   timer = RoleTimer()
@@ -88,10 +97,11 @@ def run_processes(parts, run_dir, *, resume: bool, progress: bool, log=print) ->
   service = BufferService(buffer).start()
   _, server_cores = child.core_shares(cfg.num_rollout_servers)
   fleet = Fleet(cfg, service, channel_spec, cores=server_cores,
-                heartbeat_timeout_s=cfg.heartbeat_timeout_s, log=log)
+                heartbeat_timeout_s=cfg.heartbeat_timeout_s,
+                status_path=os.path.join(run_dir, "rollout_servers.json"), log=log)
   try:
     return _run(parts, run_dir, resume, progress, log, timer, writer, checkpointer, evaluator,
-                buffer, channel, fleet)
+                buffer, channel, fleet, service)
   finally:
     try:
       fleet.stop()
@@ -104,7 +114,7 @@ def run_processes(parts, run_dir, *, resume: bool, progress: bool, log=print) ->
 
 
 def _run(parts, run_dir, resume, progress, log, timer, writer, checkpointer, evaluator, buffer,
-         channel, fleet) -> dict:
+         channel, fleet, service) -> dict:
   cfg = parts.config
   state, version = parts.state, 0
   totals = {"consumed": 0, "tokens": 0}
@@ -157,7 +167,10 @@ def _run(parts, run_dir, resume, progress, log, timer, writer, checkpointer, eva
     writer.write({"policy_version": at_version, "learner_step": int(learner_state.step),
                   "samples": totals["consumed"], "time_s": timer.wall_s(), **last_eval})
 
+  consumed_groups: list[list[int]] = []  # [group id, prompt id] of every consumed group
+
   def on_version(at_version, learner_state, groups, accumulated, staleness):
+    consumed_groups.extend([g[0].group_id, g[0].prompt_id] for g in groups)
     totals["consumed"] += sum(len(g) for g in groups)
     totals["tokens"] += sum(s.num_response_tokens for g in groups for s in g)
     sync = channel.metrics()
@@ -228,6 +241,7 @@ def _run(parts, run_dir, resume, progress, log, timer, writer, checkpointer, eva
                 "samples": totals["consumed"], "time_s": timer.wall_s(), **last_eval})
   queued = buffer.discard_queued("shutdown")
   buffer.check_invariants()
+  write_ledger(os.path.join(run_dir, "prompt_ledger.json"), service, consumed_groups)
   parts.state = final_state
   return {**timer.summary(), **last_eval, **buffer.metrics(), **channel.metrics(),
           **fleet.rollout_counts(), **fleet.counts,

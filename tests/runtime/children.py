@@ -55,3 +55,16 @@ def read_consistently(kind: str, location: str, last_version: int, out_path: str
   with open(out_path + ".tmp", "w", encoding="utf-8") as f:
     json.dump({"reads": reads, "retries": getattr(channel, "retries", 0)}, f)
   os.replace(out_path + ".tmp", out_path)
+
+
+def produce_groups(address, authkey, num_groups: int, out_path: str) -> None:
+  """Admits and puts `num_groups` whole groups of 2 through a remote buffer client."""
+  from jaxrl_async.runtime.buffer_service import RemoteBufferClient
+  from tests.buffer.factory import make_group
+  buffer = RemoteBufferClient(address, authkey, "producer")
+  admitted = buffer.acquire_group_slots(num_groups, 30.0)
+  for group_id in range(admitted):
+    buffer.put_many(make_group(group_id, 2), timeout=30.0)
+  buffer.disconnect()
+  with open(out_path, "w", encoding="utf-8") as f:
+    json.dump({"admitted": admitted}, f)
