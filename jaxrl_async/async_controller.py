@@ -132,7 +132,7 @@ def _run_async(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print
     watchdog.progress()
     totals["consumed"] += sum(len(g) for g in groups)
     totals["tokens"] += sum(s.num_response_tokens for g in groups for s in g)
-    ledger.consumed(at_version, [g[0].group_id for g in groups])
+    ledger.consumed(at_version, groups)
     sync = channel.metrics()
     record = version_record(parts, timer, at_version, learner_state, groups, accumulated,
                             totals["consumed"], totals["tokens"], {},
@@ -189,7 +189,7 @@ def _run_async(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print
       return
     if learner.window_groups:  # updates of a cut-short window stay in the state
       totals["consumed"] += sum(len(g) for g in learner.window_groups)
-      ledger.consumed(learner.version, [g[0].group_id for g in learner.window_groups])
+      ledger.consumed(learner.version, learner.window_groups)
     checkpointer.save(learner.version, learner.state, parts.prompt_iterator,
                       run_state_now(learner.version))
 

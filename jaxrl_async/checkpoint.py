@@ -67,8 +67,8 @@ class RunCheckpointer:
     """Writes checkpoint `step`; orbax finalizes it (an atomic rename) only once complete, so
     a crash mid-write leaves no checkpoint that looks whole. A full or read-only disk raises
     CheckpointError, and the previous checkpoints stay as they were."""
-    faults.point("checkpoint.before_write")
     try:
+      faults.point("checkpoint.before_write")  # inside: an injected OSError is a disk error
       self._manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(_state_tree(state)),
           prompts=grain.checkpoint.CheckpointSave(prompt_iterator),

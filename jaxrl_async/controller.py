@@ -335,7 +335,7 @@ def run_sync(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print):
         version += 1
         buffer.publish_version(version)
         watchdog.progress()
-        ledger.consumed(version, [g[0].group_id for g in groups])
+        ledger.consumed(version, groups)
         record = version_record(parts, timer, version, state, groups, accumulated, consumed,
                                 tokens_consumed, {}, sync_latency)
         record.update(buffer.metrics())

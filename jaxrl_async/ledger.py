@@ -2,8 +2,8 @@
 
 `<run_dir>/ledger.jsonl` is an append-only log with one event per line:
 
-    {"event": "consumed", "policy_version": v, "groups": [group_id, ...]}
-        whole groups trained on in the update(s) that made version v
+    {"event": "consumed", "policy_version": v, "groups": [group_id, ...], "prompts": [...]}
+        whole groups trained on in the update(s) that made version v, with their prompt ids
     {"event": "dropped", "reason": r, "samples": [[group_id, index_in_group], ...]}
         samples that will never reach the learner, under one of types.DROP_REASONS
 
@@ -34,9 +34,12 @@ class SampleLedger:
     self._file = open(self.path, "ab")  # noqa: SIM115 (closed by close())
     self._lock = threading.Lock()
 
-  def consumed(self, policy_version: int, groups: Iterable[int]) -> None:
+  def consumed(self, policy_version: int, groups: Iterable[list]) -> None:
+    """`groups`: the trained groups (lists of Samples)."""
+    groups = list(groups)
     self._write({"event": "consumed", "policy_version": int(policy_version),
-                 "groups": [int(g) for g in groups]})
+                 "groups": [int(g[0].group_id) for g in groups],
+                 "prompts": [int(g[0].prompt_id) for g in groups]})
 
   def dropped(self, reason: str, samples: Iterable[tuple[int, int]]) -> None:
     samples = [[int(g), int(i)] for g, i in samples]

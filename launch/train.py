@@ -17,7 +17,7 @@ import time
 import gin
 from jaxrl_async import compilation_cache, controller
 from jaxrl_async import config as config_lib
-from jaxrl_async.checkpoint import check_run_dir
+from jaxrl_async.checkpoint import CheckpointError, check_run_dir
 
 GIN_DIR = pathlib.Path(__file__).resolve().parent.parent / "gin"
 DEFAULT_GIN = "gin/modes/async_partial.gin"
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
         "runs", f"{config.mode}-{time.strftime('%Y%m%d-%H%M%S')}")
     check_run_dir(run_dir, args.resume)
     parts = controller.build(config)
-  except (ValueError, TypeError, FileNotFoundError) as error:
+  except (ValueError, TypeError, SyntaxError, FileNotFoundError, CheckpointError) as error:
     print(f"jaxrl-async train: configuration error: {error}", file=sys.stderr)
     return 2
   os.makedirs(run_dir, exist_ok=True)
@@ -97,6 +97,9 @@ def main(argv=None) -> int:
   except KeyboardInterrupt:
     print(f"\ninterrupted; resume with --resume --run_dir {run_dir}", file=sys.stderr)
     return 130
+  except CheckpointError as error:
+    print(f"jaxrl-async train: {error}", file=sys.stderr)
+    return 1
   keys = ("mode", "eval/accuracy", "system/samples_per_s", "learner/idle_ratio",
           "rollout/idle_ratio", "system/wall_s")
   print(json.dumps({k: summary[k] for k in keys if k in summary}))
