@@ -105,8 +105,9 @@ def test_a_full_or_read_only_disk_stops_the_save_and_keeps_older_checkpoints(tmp
     checkpointer.save(2, _state(2.0), prompts, {"policy_version": 2})
   assert "newest complete checkpoint is 1" in str(caught.value)
   checkpointer.close()
-  (state, run_state, step), _ = _restore(directory, [])
+  (state, _, step), _ = _restore(directory, [])
   assert step == 1
+  np.testing.assert_array_equal(np.asarray(state.params["w"]), np.full((4, 3), 1.0))
 
 
 def test_an_unwritable_directory_fails_at_start(tmp_path):
