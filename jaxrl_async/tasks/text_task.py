@@ -32,6 +32,8 @@ TextReward = Callable[[str, str], float]  # (response text, reference answer) ->
 
 
 def _digest(path: str | os.PathLike) -> str:
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"dataset file {str(path)!r} does not exist")
   sha = hashlib.sha256()
   with open(path, "rb") as f:
     for block in iter(lambda: f.read(1 << 20), b""):
@@ -88,12 +90,12 @@ class TextTask:
     self.reward_fn = reward_fn if reward_fn is not None else math_rewards.MathReward()
     self.holdout_fraction, self.seed = float(holdout_fraction), int(seed)
     self.shard_index, self.shard_count = shard_index, shard_count
-    self.data = datasets.load_prompt_set(data_path, fields, self.render_prompt, max_prompt_len)
     self._digests = [_digest(data_path)]
+    self.data = datasets.load_prompt_set(data_path, fields, self.render_prompt, max_prompt_len)
     if eval_path is not None:
+      self._digests.append(_digest(eval_path))
       self.eval_data = datasets.load_prompt_set(eval_path, fields, self.render_prompt,
                                                 max_prompt_len)
-      self._digests.append(_digest(eval_path))
       self._rows = {"train": list(self.data.rows), "eval": list(self.eval_data.rows)}
     else:
       if len(self.data) < 2:

@@ -169,17 +169,42 @@ def test_configuration_errors(files, tmp_path):
     task.problem(38)
 
 
-@pytest.mark.slow
-def test_a_gsm8k_file_trains_through_the_run_entry_point(files, tmp_path):
-  from jaxrl_async import controller
-  from jaxrl_async.config import RunConfig
-  from jaxrl_async.learner.sft import WarmStartConfig
+def _load_gsm8k_gin(files, *bindings):
+  import gin
+  from jaxrl_async import config as config_lib
+  from launch import train
 
-  task = TextTask(files["train"], files["qwen"], max_prompt_len=96, max_response_len=16)
-  config = RunConfig(task=task, warm_start=WarmStartConfig(steps=2, batch_size=4), group_size=2,
-                     mini_batch_size=2, total_samples=8, max_concurrent_decodes=4, eval_size=4,
-                     eval_every_versions=1, checkpoint_every_versions=2)
+  train.load_config(["gin/modes/sync.gin", "gin/tasks/gsm8k.gin"], [
+      f"GSM8K_TRAIN = '{files['train']}'", f"GSM8K_TEST = '{files['test']}'",
+      f"TOKENIZER_DIR = '{files['qwen']}'", *bindings])
+  return gin.get_configurable(config_lib.RunConfig)()
+
+
+def test_gsm8k_gin_makes_the_task(files):
+  config = _load_gsm8k_gin(files)
+  task = config.task
+  assert isinstance(task, TextTask) and task.eval_path == str(files["test"])
+  assert task.fields.system_prompt.endswith("within \\boxed{}.")
+  assert task.max_prompt_len == 256 and task.max_response_len == 512
+  assert task.num_problems("train") == 40 and len(task.eval_set()) == 8
+  question = gsm8k_rows(40)[task.problem(0).meta["row"]]["question"]
+  assert task.tokenizer.decode(task.problem(0).prompt_tokens).endswith(
+      f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.slow
+def test_a_gsm8k_file_trains_with_the_gin_config(files, tmp_path):
+  from jaxrl_async import controller
+
+  config = _load_gsm8k_gin(
+      files, "jaxrl_async.tasks.text_task.TextTask.max_prompt_len = 160", "jaxrl_async.tasks.text_task.TextTask.max_response_len = 16",
+      "WarmStartConfig.steps = 2", "WarmStartConfig.batch_size = 4", "RunConfig.group_size = 2",
+      "RunConfig.mini_batch_size = 2", "RunConfig.total_samples = 8",
+      "RunConfig.max_concurrent_decodes = 4", "RunConfig.eval_size = 4",
+      "RunConfig.eval_every_versions = 1", "RunConfig.checkpoint_every_versions = 2")
+  config_task = config.task
   summary = controller.run(config, tmp_path / "run", progress=False, log=lambda *a: None)
+  assert config_task.max_response_len == 16
   assert summary["policy_version"] == 2 and summary["consumed_samples"] == 8
   assert summary["reward/ok"] == 8 and summary["reward/failed"] == 0
-  assert summary["eval/num_problems"] == 2.0  # the held-out rows
+  assert summary["eval/num_problems"] == 4.0  # from the held-out file
