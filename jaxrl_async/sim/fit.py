@@ -39,6 +39,7 @@ from jaxrl_async.sim.profile import (
   RolloutCost,
   SyncCost,
 )
+from jaxrl_async.sim.simulator import simulate
 
 _KNOBS = ("mode", "group_size", "mini_batch_size", "require_batches",
           "trigger_parameter_sync_step", "max_concurrent_decodes", "staleness_threshold",
@@ -55,20 +56,24 @@ def read_run_config(run_dir: str) -> dict:
     text = f.read()
   for name, value in re.findall(r"RunConfig\.(\w+) = ([^\n\\]+)", text):
     if name in _KNOBS:
-      value = value.strip()
-      knobs[name] = {"True": True, "False": False, "None": None}.get(
-          value, value.strip("'\"") if value[0] in "'\"" else _number(value))
+      knobs[name] = _literal(value.strip())
   match = re.search(r"DigitReverseTask\.max_len = (\d+)", text)
   if match:
     knobs["task_max_len"] = int(match.group(1))
   return knobs
 
 
-def _number(text: str):
-  try:
-    return int(text)
-  except ValueError:
-    return float(text)
+def _literal(text: str):
+  if text in ("True", "False", "None"):
+    return {"True": True, "False": False, "None": None}[text]
+  if text[:1] in "'\"":
+    return text.strip("'\"")
+  for kind in (int, float):
+    try:
+      return kind(text)
+    except ValueError:
+      pass
+  return text
 
 
 def geometric_ratio(mean: float, low: int, high: int) -> float:
@@ -101,7 +106,6 @@ def _span_totals(path: str) -> dict[str, float]:
 
 def profile_from_run(run_dir: str, *, skip_versions: int = 2, seed: int = 0,
                      name: str | None = None, contention: float = 0.0) -> Profile:
-  from jaxrl_async.sim.simulator import simulate
 
   path = os.path.join(run_dir, "metrics.jsonl")
   if not os.path.isfile(path):

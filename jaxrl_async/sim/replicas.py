@@ -26,6 +26,7 @@ from jaxrl_async.sim.profile import Profile, RolloutCost
 from jaxrl_async.types import Sample
 
 _EMPTY_PROMPT = np.zeros((1,), np.int32)
+_DRAW_BATCH = 8192
 
 
 class SimSample(Sample):
@@ -114,7 +115,7 @@ class ReplicaPool:
     self.rng = rng
     self.slots = rollout.slots
     self.block = profile.token_block
-    self.unit_s = rollout.step_table(rollout.slots) * self.block  # seconds per entry step
+    self.unit_s = (rollout.step_table(rollout.slots) * self.block).tolist()  # s per entry step
     self.prefill_s_per_token = rollout.prefill_s_per_token
     self.weight_load_s = rollout.weight_load_s
     self.replicas = [Replica(clock, i, host) for i in range(rollout.replicas)]
@@ -127,15 +128,26 @@ class ReplicaPool:
     self.reward_busy_s = 0.0
     self.generated_tokens = 0
     self._zeros: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    self._streams: dict[str, list] = {}
 
   # ---- requests -------------------------------------------------------------------------------
+  def _draws(self, name: str, count: int) -> list:
+    """`count` values of a random stream, drawn in large batches (cheaper than one by one)."""
+    queue = self._streams.get(name)
+    if queue is None or len(queue) < count:
+      prof, size = self.profile, max(_DRAW_BATCH, count)
+      fresh = {"length": lambda: prof.response_length.sample(self.rng, size),
+               "failed": lambda: self.rng.random(size) < prof.reward_fail_prob,
+               "latency": lambda: prof.reward_latency.sample(self.rng, size)}[name]().tolist()
+      queue = self._streams[name] = fresh[::-1] + (queue or [])  # pop() takes the oldest
+    return [queue.pop() for _ in range(count)]
+
   def new_group(self, group_id: int, group_size: int) -> list[Generation]:
-    prof = self.profile
-    lengths = prof.response_length.sample(self.rng, group_size)
-    failed = self.rng.random(group_size) < prof.reward_fail_prob
-    top = prof.response_length.max
-    return [Generation(group_id, i, int(n), -(-int(n) // self.block), int(n) >= top,
-                       bool(f)) for i, (n, f) in enumerate(zip(lengths, failed))]
+    lengths = self._draws("length", group_size)
+    failed = self._draws("failed", group_size)
+    top, block = self.profile.response_length.max, self.block
+    return [Generation(group_id, i, n, -(-n // block), n >= top, f)
+            for i, (n, f) in enumerate(zip(lengths, failed))]
 
   def least_loaded(self) -> Replica:
     return min(self.replicas, key=lambda r: r.load)
@@ -231,15 +243,15 @@ class ReplicaPool:
                   interruptions=gen.interruptions,
                   timestamps={"created": now, "generated": now},
                   meta={"index_in_group": gen.index, "tokens": gen.tokens}).set_versions(
-                      min(v for v, _ in segments), max(v for v, _ in segments))
+                      segments[0][0], segments[-1][0])  # versions only grow along a response
 
   def score(self, samples: list[Sample]) -> None:
     """Hands samples to the reward scorers; `on_rewarded` gets them when scored."""
-    latencies = self.profile.reward_latency.sample(self.rng, len(samples))
+    latencies = self._draws("latency", len(samples))
     by_time: dict[float, list[Sample]] = {}
     free = self._reward_free
     now = self.clock.now
-    for sample, latency in zip(samples, latencies.tolist()):
+    for sample, latency in zip(samples, latencies):
       begin = max(now, heapq.heappop(free))
       done = begin + latency
       heapq.heappush(free, done)

@@ -76,9 +76,12 @@ class ReadyGroups:
     self._arrived: dict[int, list] = {}  # group id -> [members arrived, any failure]
     self.completed_ok = 0
     self.estimate = 0
+    self.on_refund: Callable[[], None] | None = None
+    self._stale_seen = 0
 
-  def put(self, sample: Sample, timeout_s: float) -> bool:
-    """Puts the sample; True if it completed a group that should be ready."""
+  def put(self, sample: Sample, timeout_s: float) -> int:
+    """Puts the sample: 1 if it completed a group that should be ready, -1 if it completed a
+    group the buffer drops (a failed member), else 0."""
     self.buffer.put(sample, timeout=timeout_s)
     entry = self._arrived.get(sample.group_id)
     if entry is None:
@@ -86,13 +89,13 @@ class ReadyGroups:
     entry[0] += 1
     entry[1] = entry[1] or sample.reward_status != "ok"
     if entry[0] < self.group_size:
-      return False
+      return 0
     del self._arrived[sample.group_id]
     if entry[1]:
-      return False
+      return -1
     self.completed_ok += 1
     self.estimate += 1
-    return True
+    return 1
 
   def take(self, num_groups: int, learner_version: int):
     """`num_groups` groups if the buffer has them now, else None (nothing taken)."""
@@ -106,6 +109,11 @@ class ReadyGroups:
                        - counts["dropped_groups"]["stale"])
       return None
     self.estimate -= num_groups
+    if self.on_refund is not None:
+      stale = self.buffer.counts["dropped_groups"]["stale"]
+      if stale > self._stale_seen:
+        self._stale_seen = stale
+        self.on_refund()  # stale drops refund admissions
     return groups
 
 
@@ -129,6 +137,7 @@ class SimRollouter:
     pool.on_turn = self.turn
     pool.on_finished = pool.score
     pool.on_rewarded = self.put_all
+    ready.on_refund = self.wake_idle
 
   # ---- the weight channel ---------------------------------------------------------------------
   def on_publish(self, version: int) -> None:
@@ -202,10 +211,17 @@ class SimRollouter:
         pool.stop_at_boundary(replica)  # refill the free slots at the next step
 
   def put_all(self, samples: list[Sample]) -> None:
+    dropped = False
     for sample in samples:
-      if self.ready.put(sample, NO_WAIT_S):
+      outcome = self.ready.put(sample, NO_WAIT_S)
+      if outcome > 0:
         self.on_group_ready()
-    # A dropped group refunds its admission: an idle rollouter notices at its next poll.
+      dropped = dropped or outcome < 0
+    if dropped:
+      self.wake_idle()
+
+  def wake_idle(self) -> None:
+    """A dropped group refunds its admission: an idle rollouter notices at its next poll."""
     if not self.draining and self.buffer.available_slots > 0:
       for replica in self.pool.replicas:
         if not replica.device.busy:
@@ -310,7 +326,9 @@ def sync_loop(clock: Clock, *, pool: ReplicaPool, buffer: VersionedBuffer, ready
       next_group += 1
     for replica in pool.replicas:
       clock.at(clock.now, on_turn, replica)
+    began = clock.now
     yield ("wait", "generated")
+    state["generate_s"] = state.get("generate_s", 0.0) + clock.now - began
     pool.score(list(finished))
     yield ("wait", "scored")
     for sample in scored:

@@ -156,7 +156,7 @@ def simulate(profile: Profile, config: RunConfig, *, num_versions: int | None = 
   if config.mode == "sync":
     state: dict = {}
     recorder = Recorder(clock, config, profile, buffer, pool, learner_device, num_versions,
-                        lambda: {})
+                        lambda: {"sim/generate_s": state.get("generate_s", 0.0)})
     body = sync_loop(clock, pool=pool, buffer=buffer, ready=ready, learner=learner_device,
                      update_s=update_s, sync_s=sync_s + rollout_cost.weight_load_s,
                      overhead_s=profile.sync_mode_overhead_s, group_size=config.group_size,
@@ -213,7 +213,8 @@ def summarise(recorder: Recorder, config: RunConfig, profile: Profile, counts: d
   entries = int(hist.sum())
   gaps = np.arange(hist.size)
   summary = {k: v for k, v in last.items() if k.startswith(("system/", "rollout/", "reward/",
-                                                             "learner/", "sync/", "queue/"))}
+                                                             "learner/", "sync/", "queue/",
+                                                             "sim/"))}
   summary.update({
       "mode": config.mode, "profile": profile.name, "policy_version": last["policy_version"],
       "learner_step": last["learner_step"], "consumed_samples": recorder.samples,
