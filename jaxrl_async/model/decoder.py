@@ -1,4 +1,4 @@
-"""A flax.nnx decoder of the Llama / Qwen2 family with an explicit, static KV cache.
+"""A flax.nnx decoder of the Llama 3 / Qwen2 / Qwen3 family with an explicit, static KV cache.
 
 Every parameter names its logical axes (`out_sharding` metadata); `jaxrl_async.sharding` maps them
 to a mesh. The cache is an explicit pytree passed in and returned, so the forward pass is a pure
@@ -9,6 +9,10 @@ sequence is always laid out from position 0, so right padding and stale cache en
 current position are never seen. Without a cache, rows may hold several sequences (packing):
 `segment_ids` then restricts attention to keys of the query's own segment, and positions restart
 at 0 in each segment.
+
+Layouts follow Hugging Face's so that `model.weights` maps checkpoints one to one: RoPE rotates
+the two halves of each head (not interleaved pairs), Qwen3's q/k norms act on each head before
+RoPE, and the tied head is the embedding's transpose.
 """
 
 from __future__ import annotations
@@ -17,11 +21,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from jaxrl_async.model.config import ModelConfig
+from jaxrl_async.model.config import ModelConfig, RopeScaling
 
 
-def _param(rngs: nnx.Rngs, init, shape, axes) -> nnx.Param:
-  return nnx.Param(init(rngs.params(), shape, jnp.float32), out_sharding=axes,
+def _param(rngs: nnx.Rngs, init, shape, axes, dtype=jnp.float32) -> nnx.Param:
+  return nnx.Param(init(rngs.params(), shape, jnp.dtype(dtype)), out_sharding=axes,
                    eager_sharding=False)
 
 
@@ -51,10 +55,10 @@ LOGICAL_CACHE_AXES = ("batch", "cache_length", "kv_heads", "head_dim")
 
 class RMSNorm(nnx.Module):
 
-  def __init__(self, dim: int, eps: float, rngs: nnx.Rngs):
+  def __init__(self, dim: int, eps: float, rngs: nnx.Rngs, dtype=jnp.float32):
     del rngs
     self.eps = eps
-    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=("norm",),
+    self.scale = nnx.Param(jnp.ones((dim,), jnp.dtype(dtype)), out_sharding=("norm",),
                            eager_sharding=False)
 
   def __call__(self, x):
@@ -63,10 +67,16 @@ class RMSNorm(nnx.Module):
     return (normed * self.scale[...]).astype(x.dtype)
 
 
-def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-  """RoPE (Su et al. 2021), half-split layout. x: [B, T, H, D], positions: [B, T]."""
+def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float,
+                     scaling: RopeScaling | None = None) -> jax.Array:
+  """RoPE (Su et al. 2021), half-split layout. x: [B, T, H, D], positions: [B, T].
+
+  scaling: Llama 3.x frequency scaling (`RopeScaling`), or None.
+  """
   half = x.shape[-1] // 2
   freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)  # [D/2]
+  if scaling is not None:
+    freqs = scaling.scale_frequencies(freqs)
   angles = positions[..., None].astype(jnp.float32) * freqs  # [B, T, D/2]
   sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
   x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
@@ -80,17 +90,21 @@ class Attention(nnx.Module):
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
     d, h, kv, hd = config.d_model, config.n_heads, config.n_kv_heads, config.resolved_head_dim
     init = nnx.initializers.normal(stddev=d ** -0.5)
+    pd = config.param_dtype
     self.config = config
-    self.q = _param(rngs, init, (d, h, hd), ("embed", "heads", "head_dim"))
-    self.k = _param(rngs, init, (d, kv, hd), ("embed", "kv_heads", "head_dim"))
-    self.v = _param(rngs, init, (d, kv, hd), ("embed", "kv_heads", "head_dim"))
+    self.q = _param(rngs, init, (d, h, hd), ("embed", "heads", "head_dim"), pd)
+    self.k = _param(rngs, init, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd)
+    self.v = _param(rngs, init, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd)
     self.o = _param(rngs, nnx.initializers.normal(stddev=(h * hd) ** -0.5), (h, hd, d),
-                    ("heads", "head_dim", "embed"))
+                    ("heads", "head_dim", "embed"), pd)
     if config.qkv_bias:
       zeros = nnx.initializers.zeros
-      self.q_bias = _param(rngs, zeros, (h, hd), ("heads", "head_dim"))
-      self.k_bias = _param(rngs, zeros, (kv, hd), ("kv_heads", "head_dim"))
-      self.v_bias = _param(rngs, zeros, (kv, hd), ("kv_heads", "head_dim"))
+      self.q_bias = _param(rngs, zeros, (h, hd), ("heads", "head_dim"), pd)
+      self.k_bias = _param(rngs, zeros, (kv, hd), ("kv_heads", "head_dim"), pd)
+      self.v_bias = _param(rngs, zeros, (kv, hd), ("kv_heads", "head_dim"), pd)
+    if config.qk_norm:
+      self.q_norm = RMSNorm(hd, config.norm_eps, rngs, pd)
+      self.k_norm = RMSNorm(hd, config.norm_eps, rngs, pd)
 
   def __call__(self, x, positions, cache_kv, segment_ids=None):
     """x: [B, T, D]; positions: [B, T]; cache_kv: (k, v) each [B, S, KV, Dh] or None;
@@ -103,8 +117,10 @@ class Attention(nnx.Module):
     if cfg.qkv_bias:
       q, k, v = (q + self.q_bias[...].astype(dtype), k + self.k_bias[...].astype(dtype),
                  v + self.v_bias[...].astype(dtype))
-    q = rotary_embedding(q, positions, cfg.rope_theta)
-    k = rotary_embedding(k, positions, cfg.rope_theta)
+    if cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q = rotary_embedding(q, positions, cfg.rope_theta, cfg.rope_scaling)
+    k = rotary_embedding(k, positions, cfg.rope_theta, cfg.rope_scaling)
 
     if cache_kv is None:
       keys, values, key_positions = k, v, positions  # [B, T, ...]
@@ -137,10 +153,13 @@ class MLP(nnx.Module):
   """SwiGLU feed-forward (Shazeer 2020)."""
 
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
-    d, f = config.d_model, config.d_ff
-    self.gate = _param(rngs, nnx.initializers.normal(stddev=d ** -0.5), (d, f), ("embed", "mlp"))
-    self.up = _param(rngs, nnx.initializers.normal(stddev=d ** -0.5), (d, f), ("embed", "mlp"))
-    self.down = _param(rngs, nnx.initializers.normal(stddev=f ** -0.5), (f, d), ("mlp", "embed"))
+    d, f, pd = config.d_model, config.d_ff, config.param_dtype
+    self.gate = _param(rngs, nnx.initializers.normal(stddev=d ** -0.5), (d, f), ("embed", "mlp"),
+                       pd)
+    self.up = _param(rngs, nnx.initializers.normal(stddev=d ** -0.5), (d, f), ("embed", "mlp"),
+                     pd)
+    self.down = _param(rngs, nnx.initializers.normal(stddev=f ** -0.5), (f, d), ("mlp", "embed"),
+                       pd)
 
   def __call__(self, x):
     dtype = x.dtype
@@ -151,9 +170,9 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
 
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
-    self.attn_norm = RMSNorm(config.d_model, config.norm_eps, rngs)
+    self.attn_norm = RMSNorm(config.d_model, config.norm_eps, rngs, config.param_dtype)
     self.attn = Attention(config, rngs)
-    self.mlp_norm = RMSNorm(config.d_model, config.norm_eps, rngs)
+    self.mlp_norm = RMSNorm(config.d_model, config.norm_eps, rngs, config.param_dtype)
     self.mlp = MLP(config, rngs)
 
   def __call__(self, x, positions, cache_kv, segment_ids=None):
@@ -167,14 +186,15 @@ class Decoder(nnx.Module):
 
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
     self.config = config
+    pd = config.param_dtype
     self.embed = _param(rngs, nnx.initializers.normal(stddev=1.0), (config.vocab_size,
                                                                    config.d_model),
-                        ("vocab", "embed"))
+                        ("vocab", "embed"), pd)
     self.blocks = nnx.List([Block(config, rngs) for _ in range(config.n_layers)])
-    self.final_norm = RMSNorm(config.d_model, config.norm_eps, rngs)
+    self.final_norm = RMSNorm(config.d_model, config.norm_eps, rngs, pd)
     if not config.tie_embeddings:
       self.lm_head = _param(rngs, nnx.initializers.normal(stddev=config.d_model ** -0.5),
-                            (config.d_model, config.vocab_size), ("embed", "vocab"))
+                            (config.d_model, config.vocab_size), ("embed", "vocab"), pd)
 
   def __call__(self, tokens, positions=None, cache: KVCache | None = None, segment_ids=None):
     if tokens.ndim != 2:
@@ -193,6 +213,10 @@ class Decoder(nnx.Module):
     x = jnp.take(self.embed[...], tokens, axis=0).astype(dtype)
     new_keys, new_values = [], []
     for i, block in enumerate(self.blocks):
+      if cache is None and self.config.remat:
+        # Gradient checkpointing: the backward pass recomputes the block's activations.
+        x = _remat_block(block, x, positions, segment_ids)
+        continue
       layer_cache = None if cache is None else (cache.keys[i], cache.values[i])
       x, layer_new = block(x, positions, layer_cache, segment_ids)
       if layer_new is not None:
@@ -200,9 +224,18 @@ class Decoder(nnx.Module):
         new_values.append(layer_new[1])
     x = self.final_norm(x)
     head = self.embed[...].T if self.config.tie_embeddings else self.lm_head[...]
-    logits = jnp.einsum("btd,dv->btv", x.astype(jnp.float32), head.astype(jnp.float32))
+    if dtype == jnp.float32:
+      logits = jnp.einsum("btd,dv->btv", x.astype(jnp.float32), head.astype(jnp.float32))
+    else:  # no float32 copy of the (large) head; accumulate in float32
+      logits = jnp.einsum("btd,dv->btv", x, head.astype(dtype),
+                          preferred_element_type=jnp.float32)
     new_cache = None if cache is None else KVCache(tuple(new_keys), tuple(new_values))
     return logits, new_cache
+
+
+@nnx.remat
+def _remat_block(block: Block, x, positions, segment_ids):
+  return block(x, positions, None, segment_ids)[0]
 
 
 def init_model(config: ModelConfig, seed: int = 0) -> Decoder:

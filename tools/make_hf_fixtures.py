@@ -1,0 +1,257 @@
+"""Build the tiny Hugging Face fixtures under tests/fixtures/hf/ (run by a developer, not by CI).
+
+Needs torch and transformers, which the package and its tests never import; keep them in a
+separate virtual environment:
+
+    python3 -m venv /tmp/fixture-venv
+    /tmp/fixture-venv/bin/pip install torch==2.13.0 transformers==4.57.6 tokenizers jinja2
+    /tmp/fixture-venv/bin/python tools/make_hf_fixtures.py        # about a minute on a CPU
+
+For each family (llama: Llama 3.x with 'llama3' RoPE scaling and an untied head, saved in several
+safetensors shards with an index; qwen2: q/k/v biases and tied embeddings; qwen3: q/k norms and a
+head_dim that is not hidden_size / num_heads) it writes a random model in float32 with its
+tokenizer files (a byte-level BPE trained here on a small text, special tokens, a chat template
+in tokenizer_config.json), and records with transformers (eager attention, float32):
+- reference_logits.npz: the logits of each prompt in reference.json (`logits_<i>`, [T, V]);
+- reference.json: the prompts' token ids, 20-token greedy continuations (full forward each step,
+  no end token) with the smallest top-1 / top-2 logit margin seen along them, and
+  `apply_chat_template` renderings of a few conversations (text and token ids).
+Weights are drawn so that greedy steps are not near ties and continuations do not just repeat
+one token (a seed is retried otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import shutil
+
+import numpy as np
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+OUT = ROOT / "tests" / "fixtures" / "hf"
+GREEDY_STEPS = 20
+MIN_MARGIN = 0.05  # smallest top-1 minus top-2 logit allowed along a greedy continuation
+MIN_DISTINCT = 4  # distinct tokens each greedy continuation must hold (no degenerate repeats)
+
+CORPUS = """\
+Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.
+How many clips did Natalia sell altogether in April and May? Natalia sold 48/2 = 24 clips in May.
+Natalia sold 48+24 = 72 clips altogether in April and May. #### 72
+Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting.
+How much did she earn? Weng earns 12/60 = $0.2 per minute. She earned 0.2 x 50 = $10. #### 10
+Betty is saving money for a new wallet which costs $100. Betty has only half of the money.
+Her parents decided to give her $15 for that purpose, and her grandparents twice as much.
+You are a helpful assistant. Solve the problem step by step and put the final answer last.
+The answer is \\boxed{42}. Let's think step by step. First, we add the numbers together.
+"""
+
+# Chat templates in the two formats these families use (ChatML; Llama 3 headers).
+CHATML_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (loop.first and message['role'] == 'system') %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+CHATML_THINKING_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] | trim + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
+LLAMA3_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{{- message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Natalia sold 48 clips in April. How many in May?"}],
+    [{"role": "system", "content": "Solve the problem step by step."},
+     {"role": "user", "content": "Weng earns $12 an hour. How much for 50 minutes?"}],
+    [{"role": "user", "content": "What is 2 + 3?"},
+     {"role": "assistant", "content": "The answer is 5. #### 5"},
+     {"role": "user", "content": "  And 4 + 4?  "}],
+]
+PROMPTS = ["Natalia sold clips", "How many clips did Natalia sell altogether in April and May?",
+           "Betty is saving money for a new wallet which costs $100. Her parents"]
+
+FAMILIES = {
+    "llama": dict(
+        config_class="LlamaConfig", model_class="LlamaForCausalLM",
+        special={"bos": "<|begin_of_text|>", "eos": "<|eot_id|>", "pad": None},
+        extra_special=["<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>"],
+        template=LLAMA3_TEMPLATE, template_kwargs=[{}, {}, {}],
+        config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    rope_theta=500_000.0, rms_norm_eps=1e-5, max_position_embeddings=256,
+                    tie_word_embeddings=False,
+                    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0,
+                                  "original_max_position_embeddings": 32}),
+        max_shard_size="60KB"),
+    "qwen2": dict(
+        config_class="Qwen2Config", model_class="Qwen2ForCausalLM",
+        special={"bos": None, "eos": "<|im_end|>", "pad": "<|endoftext|>"},
+        extra_special=["<|im_start|>"],
+        template=CHATML_TEMPLATE, template_kwargs=[{}, {}, {}],
+        config=dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                    num_attention_heads=4, num_key_value_heads=2, rope_theta=1_000_000.0,
+                    rms_norm_eps=1e-6, max_position_embeddings=256, tie_word_embeddings=True,
+                    use_sliding_window=False),
+        max_shard_size=None),
+    "qwen3": dict(
+        config_class="Qwen3Config", model_class="Qwen3ForCausalLM",
+        special={"bos": None, "eos": "<|im_end|>", "pad": "<|endoftext|>"},
+        extra_special=["<|im_start|>"],
+        template=CHATML_THINKING_TEMPLATE,
+        template_kwargs=[{}, {"enable_thinking": False}, {"enable_thinking": True}],
+        config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                    rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=256,
+                    tie_word_embeddings=True, use_sliding_window=False),
+        max_shard_size=None),
+}
+TRAINED_VOCAB = 384  # byte alphabet (256) + merges, before the special tokens
+MODEL_VOCAB = 400  # embedding rows; more than the tokenizer's ids, as Qwen's checkpoints have
+
+
+def train_tokenizer(specials: list[str]) -> Tokenizer:
+  tokenizer = Tokenizer(models.BPE())
+  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tokenizer.decoder = decoders.ByteLevel()
+  tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+  trainer = trainers.BpeTrainer(vocab_size=TRAINED_VOCAB, show_progress=False,
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  tokenizer.train_from_iterator(CORPUS.splitlines(), trainer)
+  tokenizer.add_special_tokens(specials)
+  return tokenizer
+
+
+def fast_tokenizer(spec: dict, directory: pathlib.Path):
+  special = spec["special"]
+  names = [t for t in (special["bos"], special["eos"], special["pad"]) if t]
+  specials = list(dict.fromkeys(names + spec["extra_special"]))
+  raw = train_tokenizer(specials)
+  tokenizer = transformers.PreTrainedTokenizerFast(
+      tokenizer_object=raw, bos_token=special["bos"], eos_token=special["eos"],
+      pad_token=special["pad"], additional_special_tokens=spec["extra_special"],
+      model_max_length=256, clean_up_tokenization_spaces=False)
+  tokenizer.chat_template = spec["template"]
+  tokenizer.save_pretrained(directory)
+  # Published checkpoints keep the template inside tokenizer_config.json; do the same.
+  config_path = directory / "tokenizer_config.json"
+  config = json.loads(config_path.read_text())
+  config["chat_template"] = spec["template"]
+  config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+  (directory / "chat_template.jinja").unlink(missing_ok=True)
+  return transformers.AutoTokenizer.from_pretrained(directory)
+
+
+def randomize(model, seed: int, gain: float = 1.0) -> None:
+  """Random weights; `gain` scales the linear layers so that the blocks, not the tied embedding
+  of the last token, dominate the residual stream (else greedy decoding repeats a token)."""
+  generator = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for name, param in model.named_parameters():
+      noise = torch.randn(param.shape, generator=generator)
+      if name.endswith("norm.weight"):
+        param.copy_(1.0 + 0.2 * noise)
+      elif name.endswith("bias") or "embed_tokens" in name or "lm_head" in name:
+        param.copy_(0.5 * noise)
+      else:
+        param.copy_(gain * noise * param.shape[-1] ** -0.5)
+
+
+def greedy(model, prompt: list[int]) -> tuple[list[int], float]:
+  tokens, margin = list(prompt), float("inf")
+  with torch.no_grad():
+    for _ in range(GREEDY_STEPS):
+      logits = model(torch.tensor([tokens])).logits[0, -1]
+      top = torch.topk(logits, 2).values
+      margin = min(margin, float(top[0] - top[1]))
+      tokens.append(int(torch.argmax(logits)))
+  return tokens[len(prompt):], margin
+
+
+def build_family(name: str, spec: dict, seed: int) -> dict:
+  directory = OUT / name
+  shutil.rmtree(directory, ignore_errors=True)
+  directory.mkdir(parents=True)
+  tokenizer = fast_tokenizer(spec, directory)
+  special = spec["special"]
+  ids = {k: (tokenizer.convert_tokens_to_ids(v) if v else None) for k, v in special.items()}
+  config = getattr(transformers, spec["config_class"])(
+      vocab_size=MODEL_VOCAB, bos_token_id=ids["bos"], eos_token_id=ids["eos"],
+      pad_token_id=ids["pad"], torch_dtype="float32", attn_implementation="eager",
+      **spec["config"])
+  prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in PROMPTS]
+  if ids["bos"] is not None:
+    prompts = [[ids["bos"]] + p for p in prompts]
+  for attempt in range(50):
+    torch.manual_seed(seed + attempt)
+    model = getattr(transformers, spec["model_class"])(config).eval()
+    randomize(model, seed + attempt, gain=2.0)
+    continuations = [greedy(model, p) for p in prompts]
+    margin = min(m for _, m in continuations)
+    distinct = min(len(set(c)) for c, _ in continuations)
+    if margin >= MIN_MARGIN and distinct >= MIN_DISTINCT:
+      break
+  else:
+    raise RuntimeError(f"{name}: no seed gave greedy margins >= {MIN_MARGIN} with "
+                       f">= {MIN_DISTINCT} distinct tokens")
+  with torch.no_grad():
+    logits = {f"logits_{i}": model(torch.tensor([p])).logits[0].numpy().astype(np.float32)
+              for i, p in enumerate(prompts)}
+  np.savez_compressed(directory / "reference_logits.npz", **logits)
+  model.save_pretrained(directory, safe_serialization=True,
+                        **({"max_shard_size": spec["max_shard_size"]}
+                           if spec["max_shard_size"] else {}))
+  chats = []
+  for conversation, kwargs in zip(CONVERSATIONS, spec["template_kwargs"]):
+    for add_generation_prompt in (True, False):
+      text = tokenizer.apply_chat_template(conversation, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt, **kwargs)
+      token_ids = tokenizer.apply_chat_template(conversation, tokenize=True,
+                                                add_generation_prompt=add_generation_prompt,
+                                                **kwargs)
+      chats.append({"messages": conversation, "add_generation_prompt": add_generation_prompt,
+                    "kwargs": kwargs, "text": text, "token_ids": list(token_ids)})
+  reference = {
+      "family": name, "seed": seed + attempt, "transformers": transformers.__version__,
+      "torch": torch.__version__, "special_token_ids": ids,
+      "prompts": [{"text": text, "token_ids": p, "greedy": cont, "greedy_min_margin": m}
+                  for text, p, (cont, m) in zip(PROMPTS, prompts, continuations)],
+      "chat": chats,
+      "encode": [{"text": text, "token_ids": tokenizer(text, add_special_tokens=False)[
+          "input_ids"]} for text in PROMPTS + ["  spaces and 1234567 digits\n\nnew lines "]],
+  }
+  (directory / "reference.json").write_text(json.dumps(reference, indent=1) + "\n")
+  return {"family": name, "seed": seed + attempt, "min_margin": margin, "min_distinct": distinct,
+          "bytes": sum(f.stat().st_size for f in directory.iterdir())}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--families", nargs="*", default=sorted(FAMILIES))
+  args = parser.parse_args()
+  torch.set_num_threads(1)
+  for name in args.families:
+    print(json.dumps(build_family(name, FAMILIES[name], args.seed)))
+
+
+if __name__ == "__main__":
+  main()
