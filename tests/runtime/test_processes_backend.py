@@ -1,0 +1,180 @@
+"""The processes backend end to end: rollout servers in their own processes train the task; a
+server killed (SIGKILL) or stopped (SIGSTOP) mid-run is replaced and its groups are re-issued
+exactly once; every prompt id is consumed once or ends as a counted drop; checkpoint and resume;
+no child process outlives a test."""
+
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+
+import gin
+import pytest
+
+from jaxrl_async import config as config_lib
+from jaxrl_async import controller
+from jaxrl_async.config import RunConfig
+from jaxrl_async.learner.sft import WarmStartConfig
+from jaxrl_async.metrics import read_jsonl
+from jaxrl_async.tasks.reverse import DigitReverseTask
+from launch import train
+
+GROUP_SIZE = 4
+RUN_TIMEOUT_S = 900.0
+
+
+def quiet(*args, **kwargs):
+  del args, kwargs
+
+
+@pytest.fixture(autouse=True)
+def no_orphans():
+  """After each test: no child process of this one is left (killed and reported if any)."""
+  yield
+  left = mp.active_children()
+  for process in left:
+    process.kill()
+    process.join(10.0)
+  assert not left, f"child processes outlived the test: {left}"
+
+
+def small_config(num_versions: int, **overrides) -> RunConfig:
+  settings = dict(task=DigitReverseTask(0, max_len=8),
+                  warm_start=WarmStartConfig(steps=20, batch_size=16), group_size=GROUP_SIZE,
+                  mini_batch_size=2, max_concurrent_decodes=8, eval_size=16,
+                  eval_every_versions=100, checkpoint_every_versions=100, mode="async_stale",
+                  staleness_threshold=1.0, max_version_gap=4, backend="processes",
+                  heartbeat_timeout_s=5.0)
+  settings.update(overrides)
+  return RunConfig(total_samples=num_versions * 2 * GROUP_SIZE, **settings)
+
+
+def server_pids(run_dir) -> list[int]:
+  with open(os.path.join(run_dir, "rollout_servers.json"), encoding="utf-8") as f:
+    return [s["pid"] for s in json.load(f)["servers"]]
+
+
+def versions_done(run_dir) -> int:
+  path = os.path.join(run_dir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return 0
+  with contextlib.suppress(ValueError):  # a line being written
+    return max([r["policy_version"] for r in read_jsonl(path) if "algo/version_gap_max" in r],
+               default=0)
+  return 0
+
+
+def run_with_fault(config, run_dir, fault, at_version: int):
+  """Runs in a thread; at `at_version` sends `fault` to rollout server 0; returns the summary,
+  the signalled pid and the ledger."""
+  outcome = {}
+
+  def body():
+    try:
+      outcome["summary"] = controller.run(config, str(run_dir), progress=False, log=quiet)
+    except BaseException as error:  # raised in the test below
+      outcome["error"] = error
+
+  runner = threading.Thread(target=body, name="processes-run", daemon=True)
+  runner.start()
+  deadline = time.monotonic() + RUN_TIMEOUT_S
+  while versions_done(run_dir) < at_version:
+    assert runner.is_alive(), f"the run ended before version {at_version}: {outcome}"
+    assert time.monotonic() < deadline, "the run did not reach the fault"
+    time.sleep(0.05)
+  victim = server_pids(run_dir)[0]
+  os.kill(victim, fault)
+  runner.join(RUN_TIMEOUT_S)
+  assert not runner.is_alive(), "the run did not finish after the fault"
+  if "error" in outcome:
+    raise outcome["error"]
+  with open(os.path.join(run_dir, "prompt_ledger.json"), encoding="utf-8") as f:
+    ledger = json.load(f)
+  return outcome["summary"], victim, ledger
+
+
+def check_ledger(summary, ledger, config):
+  """Every started group is consumed exactly once or ends dropped under a counted reason; its
+  prompt id is never used by another group."""
+  started = {int(g): p for g, p in ledger["started"].items()}
+  consumed = [tuple(pair) for pair in ledger["consumed"]]
+  consumed_ids = [g for g, _ in consumed]
+  assert len(consumed_ids) == len(set(consumed_ids)), "a group was consumed twice"
+  assert all(started[g] == p for g, p in consumed), "a consumed group is not the one started"
+  assert len(set(started.values())) == len(started), "two groups drew the same prompt"
+  assert summary["consumed_samples"] == len(consumed) * GROUP_SIZE == config.total_samples
+  not_consumed = set(started) - set(consumed_ids)
+  dropped = {k: v for k, v in summary.items() if k.startswith("queue/dropped/") and v}
+  assert set(dropped) <= {"queue/dropped/shutdown"}, dropped  # nothing else can drop here
+  # The groups left at the end: their queued samples dropped as 'shutdown' in the buffer, the
+  # rest aborted as 'shutdown' by the stopping servers.
+  assert len(not_consumed) * GROUP_SIZE == (summary.get("queue/dropped/shutdown", 0)
+                                            + summary["rollout/shutdown"])
+
+
+@pytest.mark.slow
+def test_a_killed_server_is_replaced_and_its_groups_reissued_once(tmp_path):
+  config = small_config(12)
+  summary, victim, ledger = run_with_fault(config, tmp_path, signal.SIGKILL, at_version=3)
+  assert summary["policy_version"] == 12
+  assert summary["rollout_server_restarts"] == 1
+  assert victim not in server_pids(tmp_path)
+  reissued = summary["runtime/reissued_groups/server_died"]
+  assert reissued == len(ledger["reissued"]) > 0
+  assert set(ledger["reissued"]) <= {g for g, _ in ledger["consumed"]} | (
+      set(map(int, ledger["started"])) - {g for g, _ in ledger["consumed"]})
+  check_ledger(summary, ledger, config)
+  with pytest.raises(ProcessLookupError):
+    os.kill(victim, 0)
+
+
+@pytest.mark.slow
+def test_a_stopped_server_is_found_by_the_heartbeat_and_replaced(tmp_path):
+  config = small_config(10, heartbeat_timeout_s=2.0, num_rollout_servers=2)
+  summary, victim, ledger = run_with_fault(config, tmp_path, signal.SIGSTOP, at_version=3)
+  assert summary["policy_version"] == 10
+  assert summary["rollout_server_restarts"] == 1
+  assert summary["runtime/reissued_groups/server_unresponsive"] == len(ledger["reissued"])
+  assert summary["runtime/reissued_groups/server_died"] == 0
+  check_ledger(summary, ledger, config)
+  with pytest.raises(ProcessLookupError):
+    os.kill(victim, 0)
+
+
+@pytest.mark.slow
+def test_resume_gives_each_server_its_shard_back(tmp_path):
+  first = small_config(4, num_rollout_servers=2, checkpoint_every_versions=2)
+  summary = controller.run(first, str(tmp_path), progress=False, log=quiet)
+  assert summary["policy_version"] == 4
+  longer = small_config(6, num_rollout_servers=2, checkpoint_every_versions=2)
+  logs = []
+  resumed = controller.run(longer, str(tmp_path), resume=True, progress=False,
+                           log=logs.append)
+  assert any("policy_version 4" in line for line in logs)
+  assert resumed["policy_version"] == 6
+  assert resumed["consumed_samples"] == longer.total_samples
+  with pytest.raises(ValueError, match="num_rollout_servers"):
+    controller.run(small_config(8, num_rollout_servers=1), str(tmp_path), resume=True,
+                   progress=False, log=quiet)
+
+
+@pytest.mark.slow
+def test_the_default_task_trains_with_rollout_servers_as_processes(tmp_path):
+  """The README's default run (gin/modes/async_partial.gin) with backend='processes'."""
+  train.load_config(["gin/modes/async_partial.gin"], [
+      "RunConfig.backend = 'processes'", "RunConfig.eval_every_versions = 200"])
+  try:
+    config = gin.get_configurable(config_lib.RunConfig)()
+  finally:
+    gin.clear_config()
+  summary = controller.run(config, str(tmp_path), progress=False, log=quiet)
+  assert summary["backend"] == "processes"
+  assert summary["policy_version"] == config.num_versions
+  assert summary["eval/accuracy"] >= 0.85
+  records = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "algo/version_gap_max" in r]
+  assert max(r["algo/version_gap_max"] for r in records) <= config.max_version_gap
+  dropped = sum(v for k, v in summary.items() if k.startswith("queue/dropped/"))
+  assert summary["queue/put"] == summary["queue/consumed"] + dropped
