@@ -205,6 +205,9 @@ def run_parts(parts: Parts, run_dir: str | os.PathLike, *, resume: bool = False,
       summary = run_sync(parts, run_dir, resume=resume, progress=progress, log=log)
   finally:
     parts.rewards.close()
+  data_metrics = getattr(parts.task, "data_metrics", None)
+  if data_metrics is not None:  # a task over dataset files: its rows, and bad rows by reason
+    summary.update(data_metrics())
   with open(os.path.join(run_dir, "summary.json"), "w", encoding="utf-8") as f:
     json.dump(summary, f, indent=2, sort_keys=True)
   return summary

@@ -208,3 +208,5 @@ def test_a_gsm8k_file_trains_with_the_gin_config(files, tmp_path):
   assert summary["policy_version"] == 2 and summary["consumed_samples"] == 8
   assert summary["reward/ok"] == 8 and summary["reward/failed"] == 0
   assert summary["eval/num_problems"] == 4.0  # from the held-out file
+  assert summary["data/rows"] == 40.0 and summary["data/bad_rows"] == 0.0
+  assert summary["data_eval/rows"] == 8.0 and summary["data/bad_rows/too_long"] == 0.0
