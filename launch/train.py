@@ -60,6 +60,9 @@ _SHORT_NAMES = {
     "WarmStartConfig.": "jaxrl_async.learner.sft.WarmStartConfig.",
     "SamplingConfig.": "jaxrl_async.rollout.sampling.SamplingConfig.",
     "DigitReverseTask.": "jaxrl_async.tasks.reverse.DigitReverseTask.",
+    "TextTask.": "jaxrl_async.tasks.text_task.TextTask.",
+    "Fields.": "jaxrl_async.tasks.datasets.Fields.",
+    "MathReward.": "jaxrl_async.tasks.math_rewards.MathReward.",
     "MeshShape.": "jaxrl_async.sharding.MeshShape.",
 }
 

@@ -181,6 +181,10 @@ def _load_gsm8k_gin(files, *bindings):
 
 
 def test_gsm8k_gin_makes_the_task(files):
+  short_names = _load_gsm8k_gin(files, "Fields.template = 'Q: {prompt}'", "TextTask.seed = 3",
+                                "MathReward.format = 'boxed'").task
+  assert short_names.fields.template == "Q: {prompt}" and short_names.seed == 3
+  assert short_names.reward_fn.format == "boxed"
   config = _load_gsm8k_gin(files)
   task = config.task
   assert isinstance(task, TextTask) and task.eval_path == str(files["test"])
@@ -197,7 +201,7 @@ def test_a_gsm8k_file_trains_with_the_gin_config(files, tmp_path):
   from jaxrl_async import controller
 
   config = _load_gsm8k_gin(
-      files, "jaxrl_async.tasks.text_task.TextTask.max_prompt_len = 160", "jaxrl_async.tasks.text_task.TextTask.max_response_len = 16",
+      files, "TextTask.max_prompt_len = 160", "TextTask.max_response_len = 16",
       "WarmStartConfig.steps = 2", "WarmStartConfig.batch_size = 4", "RunConfig.group_size = 2",
       "RunConfig.mini_batch_size = 2", "RunConfig.total_samples = 8",
       "RunConfig.max_concurrent_decodes = 4", "RunConfig.eval_size = 4",
