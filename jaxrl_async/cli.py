@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-COMMANDS = ("train", "serve")
+COMMANDS = ("train", "serve", "report", "sweep", "simulate")
 
 
 def main(argv=None) -> int:
@@ -19,6 +19,15 @@ def main(argv=None) -> int:
   if argv[0] == "serve":
     from launch import serve
     return serve.main(argv[1:])
+  if argv[0] == "report":
+    from jaxrl_async import report
+    return report.main(argv[1:])
+  if argv[0] == "sweep":
+    from launch import sweep
+    return sweep.main(argv[1:])
+  if argv[0] == "simulate":
+    from jaxrl_async.sim import command
+    return command.main(argv[1:])
   return 2
 
 

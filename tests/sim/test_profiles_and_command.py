@@ -1,0 +1,93 @@
+"""Profiles (validation, fit from a run directory, published setups), the sweep, the command."""
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxrl_async.config import RunConfig
+from jaxrl_async.sim import command, fit, profile_from_dict, published, simulate, sweep
+from jaxrl_async.sim.profile import LengthModel
+
+PROFILE = {"name": "small", "prompt_tokens": 8,
+           "response_length": {"kind": "geometric", "min": 1, "max": 25, "ratio": 0.8},
+           "rollout": {"replicas": 1, "slots": 32, "decode_curve": [[1, 0.004]]},
+           "reward_latency": {"kind": "fixed", "value": 1e-4},
+           "learner": {"per_update_s": 0.01, "s_per_token": 2e-4},
+           "sync": {"fixed_s": 0.005}, "sync_mode_overhead_s": 0.02}
+GEOMETRY = dict(group_size=4, mini_batch_size=8, max_concurrent_decodes=32, total_samples=3200)
+
+
+def test_bad_profile_fields_name_the_field_and_the_allowed_values():
+  with pytest.raises(ValueError, match="unknown fields \\['slot'\\]"):
+    profile_from_dict({**PROFILE, "rollout": {"slot": 3}})
+  with pytest.raises(ValueError, match="response_length.kind='poisson'"):
+    profile_from_dict({**PROFILE, "response_length": {"kind": "poisson"}})
+  with pytest.raises(ValueError, match="reward_fail_prob"):
+    profile_from_dict({**PROFILE, "reward_fail_prob": 1.5})
+
+
+def test_geometric_ratio_matches_the_mean():
+  ratio = fit.geometric_ratio(6.0, 1, 25)
+  assert LengthModel(kind="geometric", min=1, max=25, ratio=ratio).mean() == pytest.approx(6.0,
+                                                                                         rel=0.02)
+
+
+def test_fit_recovers_a_simulated_sync_run(tmp_path):
+  """Round trip: a simulated sync run's metrics.jsonl, fitted, predicts its samples/s."""
+  truth = profile_from_dict(PROFILE)
+  run = simulate(truth, RunConfig(mode="sync", **GEOMETRY))
+  run.write(tmp_path)
+  (tmp_path / "config.gin").write_text(
+      "x.config.RunConfig.group_size = 4\nx.config.RunConfig.mini_batch_size = 8\n"
+      "x.config.RunConfig.max_concurrent_decodes = 32\nx.config.RunConfig.mode = 'sync'\n")
+  fitted = fit.profile_from_run(str(tmp_path))
+  again = simulate(fitted, RunConfig(mode="sync", **GEOMETRY), seed=1)
+  assert again.summary["system/samples_per_s"] == pytest.approx(
+      run.summary["system/samples_per_s"], rel=0.05)
+  step = fitted.rollout.decode_curve[0][1]
+  assert step == pytest.approx(0.004, rel=0.1)
+  assert fitted.sync.fixed_s == pytest.approx(0.005)
+
+
+def test_fit_refuses_a_directory_without_metrics(tmp_path):
+  with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
+    fit.profile_from_run(str(tmp_path))
+
+
+def test_sweep_returns_the_fastest_setting_within_the_budget():
+  profile = profile_from_dict(PROFILE)
+  result = sweep.sweep(profile, RunConfig(mode="sync", **GEOMETRY), num_versions=6,
+                       max_gap=0, max_stale_ratio=0.0, staleness=(0.0, 0.5), triggers=(1, 2),
+                       require=(1,))
+  assert len(result["rows"]) == 2 + 2 * 2
+  best = result["best"]
+  assert best["meets_budget"] and best["staleness_threshold"] == 0.0
+  fits = [r for r in result["rows"] if r["meets_budget"]]
+  assert best["system/samples_per_s"] == max(r["system/samples_per_s"] for r in fits)
+  assert all(r["algo/stale_ratio"] > 0 for r in result["rows"]
+             if r["staleness_threshold"] > 0 and not r["meets_budget"])
+
+
+def test_verl_profile_reproduces_the_published_sync_step():
+  profile, configs = published.verl_setup(128, calibration_versions=2)
+  result = simulate(profile, configs["sync"], num_versions=4)
+  step = result.summary["system/wall_s"] / 4
+  assert step == pytest.approx(356.30, rel=0.1)  # calibrated on the sync run's stage times
+  assert configs["async_partial_s0.5"].groups_per_version * profile.rollout.replicas == 32
+
+
+def test_simulate_command_writes_real_run_metrics(tmp_path, capsys):
+  path = tmp_path / "profile.json"
+  path.write_text(json.dumps(PROFILE))
+  out = tmp_path / "sim"
+  assert command.main(["--profile", str(path), "--modes", "sync,async_stale",
+                       "--num_versions", "6", "--gin_bindings", "RunConfig.group_size = 4",
+                       "--out", str(out)]) == 0
+  line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert line["modes"]["sync"]["speedup_vs_sync"] == 1.0
+  assert line["modes"]["async_stale"]["algo/version_gap_max"] <= 2
+  records = [json.loads(x) for x in (out / "async_stale" / "metrics.jsonl").read_text().splitlines()]
+  assert [r["policy_version"] for r in records] == list(range(1, 7))
+  assert np.isfinite(records[-1]["system/samples_per_s"])
+  assert command.main(["--profile", str(path), "--modes", "bogus"]) == 2
