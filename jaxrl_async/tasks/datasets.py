@@ -32,7 +32,7 @@ import grain
 import numpy as np
 
 BAD_ROW_REASONS = ("unreadable", "not_an_object", "missing_field", "not_text", "empty",
-                   "too_long")
+                   "render_failed", "too_long")
 SUFFIXES = {".jsonl": "jsonl", ".parquet": "parquet"}
 _EXAMPLES_PER_REASON = 3
 
@@ -193,7 +193,11 @@ def load_prompt_set(path: str | os.PathLike, fields: Fields,
     if not prompt.strip() or (answer is not None and not answer.strip()):
       count("empty", row, f"{fields.prompt if not prompt.strip() else fields.answer!r} is empty")
       continue
-    tokens = np.asarray(render(fields.user_message(prompt)), np.int32).reshape(-1)
+    try:  # e.g. a lone surrogate the tokenizer refuses, or a template that rejects the text
+      tokens = np.asarray(render(fields.user_message(prompt)), np.int32).reshape(-1)
+    except (ValueError, TypeError) as error:
+      count("render_failed", row, f"{type(error).__name__}: {error}"[:120])
+      continue
     if tokens.size > max_prompt_len:
       count("too_long", row, f"{tokens.size} tokens > max_prompt_len={max_prompt_len}")
       continue

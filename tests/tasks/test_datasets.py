@@ -14,6 +14,8 @@ from .data_files import gsm8k_rows, write_jsonl, write_parquet
 
 def _render(text):
   """One token per character: prompt length = message length (easy to reason about)."""
+  if "refused" in text:
+    raise ValueError("the renderer refuses this text")
   return np.frombuffer(text.encode("utf-32-le"), np.int32)
 
 
@@ -30,6 +32,7 @@ def _bad_and_good_rows():
       {"question": "   ", "answer": "#### 1"},                # empty
       {"question": "Fine?", "answer": ""},                    # empty answer
       {"question": "x" * 500, "answer": "#### 1"},            # too_long
+      {"question": "refused by the renderer", "answer": "1"}, # render_failed
       good[1],
       {"question": "Numeric answer?", "answer": 7},           # good: a number is text
       good[2],
@@ -39,16 +42,17 @@ def _bad_and_good_rows():
 def test_bad_rows_are_counted_by_reason_and_reported(tmp_path):
   path = write_jsonl(tmp_path / "d.jsonl", _bad_and_good_rows())
   prompt_set = load_prompt_set(path, Fields(), _render, max_prompt_len=200)
-  assert len(prompt_set) == 4 and prompt_set.num_read == 13
+  assert len(prompt_set) == 4 and prompt_set.num_read == 14
   assert prompt_set.bad_rows == {"unreadable": 1, "not_an_object": 1, "missing_field": 3,
-                                 "not_text": 1, "empty": 2, "too_long": 1}
-  assert [r.row for r in prompt_set.rows] == [0, 10, 11, 12]
+                                 "not_text": 1, "empty": 2, "render_failed": 1, "too_long": 1}
+  assert [r.row for r in prompt_set.rows] == [0, 11, 12, 13]
   assert prompt_set[2].answer == "7"
   metrics = prompt_set.metrics()
-  assert metrics["data/rows"] == 4 and metrics["data/bad_rows"] == 9
+  assert metrics["data/rows"] == 4 and metrics["data/bad_rows"] == 10
   assert metrics["data/bad_rows/missing_field"] == 3
   report = prompt_set.report()
-  assert "4 of 13 rows used, 9 bad" in report
+  assert "4 of 14 rows used, 10 bad" in report
+  assert "render_failed: 1 (e.g. row 10: ValueError: the renderer refuses this text)" in report
   assert "too_long: 1 (e.g. row 9: 500 tokens > max_prompt_len=200)" in report
   assert "row 4: no 'question'" in report
 
@@ -156,4 +160,4 @@ def test_bad_pipeline_arguments(kwargs, knob):
 
 def test_reasons_are_the_documented_ones():
   assert datasets.BAD_ROW_REASONS == ("unreadable", "not_an_object", "missing_field", "not_text",
-                                      "empty", "too_long")
+                                      "empty", "render_failed", "too_long")

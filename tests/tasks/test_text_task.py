@@ -142,14 +142,16 @@ def test_sft_example_earns_the_reward(task):
 
 
 def test_bad_rows_reach_metrics_and_the_log(files, tmp_path, caplog):
-  rows = gsm8k_rows(5) + [{"question": "q" * 400, "answer": "#### 1"}, {"answer": "#### 2"}]
+  rows = gsm8k_rows(5) + [{"question": "q" * 400, "answer": "#### 1"}, {"answer": "#### 2"},
+                          '{"question": "lone surrogate \\ud800", "answer": "#### 3"}']
   path = write_jsonl(tmp_path / "bad.jsonl", rows)
   with caplog.at_level(logging.WARNING, logger="jaxrl_async.tasks.text_task"):
     task = TextTask(path, files["qwen"], eval_path=files["test"], max_prompt_len=100)
   metrics = task.data_metrics()
   assert metrics["data/bad_rows/too_long"] == 1 and metrics["data/bad_rows/missing_field"] == 1
+  assert metrics["data/bad_rows/render_failed"] == 1  # the tokenizer refuses the surrogate
   assert metrics["data/rows"] == 5 and metrics["data_eval/bad_rows"] == 0
-  assert "5 of 7 rows used, 2 bad" in caplog.text
+  assert "5 of 8 rows used, 3 bad" in caplog.text
 
 
 def test_configuration_errors(files, tmp_path):
