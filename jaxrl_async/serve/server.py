@@ -5,7 +5,8 @@
     server.stop()
 
 `Decode` streams one `DecodeResponse` per engine step in which the request's samples drew tokens
-(each `StreamContent.samples[i]` holds sample i's new token ids and their text). A request that
+(each `StreamContent.samples[i]` holds sample i's new token ids and their text); a handler that
+fell behind joins the steps queued for it into one message (`merge_chunks`, on by default). A request that
 cannot be served as asked (no prompt, an empty prompt, one longer than the engine's prefill
 limit or the cache, token ids outside the vocabulary, text the tokenizer cannot encode, a bad
 `max_tokens` or `num_samples`, fields this protocol does not define) gets INVALID_ARGUMENT with
@@ -107,14 +108,31 @@ def check_request(request: pb.DecodeRequest, *, tokenizer, vocab_size: int,
   return tokens, max(request.num_samples, 1), max_tokens
 
 
+def _merge_queued(chunk: list, chunks: queue.Queue):
+  """Join the chunks already queued behind `chunk` into one message (a handler that fell behind
+  the driver sends one message, not one per engine step). Returns (chunk, DONE or an error that
+  ended the queue, else None)."""
+  chunk = [list(tokens) for tokens in chunk]
+  while True:
+    try:
+      item = chunks.get_nowait()
+    except queue.Empty:
+      return chunk, None
+    if item is DONE or isinstance(item, BaseException):
+      return chunk, item
+    for member, tokens in enumerate(item):
+      chunk[member].extend(tokens)
+
+
 class OrchestratorServicer(pb_grpc.OrchestratorServicer):
 
   def __init__(self, driver: DecodeDriver, engine: Engine, tokenizer, *,
-               stream_timeout_s: float = 600.0):
+               stream_timeout_s: float = 600.0, merge_chunks: bool = True):
     self.driver = driver
     self.engine = engine
     self.tokenizer = tokenizer
     self.stream_timeout_s = stream_timeout_s
+    self.merge_chunks = merge_chunks
 
   def _text(self, tokens) -> str:
     if self.tokenizer is None or not tokens:
@@ -147,9 +165,14 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         return
       if isinstance(item, BaseException):
         context.abort(grpc.StatusCode.UNAVAILABLE, f"decode driver stopped: {item!r}")
+      item, last = _merge_queued(item, stream.chunks) if self.merge_chunks else (item, None)
       samples = [pb.DecodeResponse.StreamContent.Sample(text=self._text(chunk), token_ids=chunk)
                  for chunk in item]
       yield pb.DecodeResponse(stream_content=pb.DecodeResponse.StreamContent(samples=samples))
+      if last is DONE:
+        return
+      if isinstance(last, BaseException):
+        context.abort(grpc.StatusCode.UNAVAILABLE, f"decode driver stopped: {last!r}")
 
   def HealthCheck(self, request, context):
     return pb.HealthCheckResponse(is_live=self.driver.alive)
@@ -161,7 +184,7 @@ class PolicyServer:
   def __init__(self, policy: Policy, *, host: str = DEFAULT_HOST, port: int = 0,
                max_concurrent_decodes: int = 32, sampling=None, seed: int = 0,
                steps_per_call: int = 1, max_streams: int = 256,
-               stream_timeout_s: float = 600.0):
+               stream_timeout_s: float = 600.0, merge_chunks: bool = True):
     from jaxrl_async.rollout.sampling import SamplingConfig
     self.policy = policy
     self.engine = Engine(policy.graphdef, policy.model_config,
@@ -176,7 +199,8 @@ class PolicyServer:
     self._server = grpc.server(self._executor, maximum_concurrent_rpcs=max_streams)
     pb_grpc.add_OrchestratorServicer_to_server(
         OrchestratorServicer(self.driver, self.engine, policy.tokenizer,
-                             stream_timeout_s=stream_timeout_s), self._server)
+                             stream_timeout_s=stream_timeout_s, merge_chunks=merge_chunks),
+        self._server)
     self.host = host
     self.port = self._server.add_insecure_port(f"{host}:{port}")
     if not self.port:
