@@ -71,7 +71,7 @@ def _run_async(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print
   state, version = parts.state, 0
   totals = {"consumed": 0, "tokens": 0}
   rollout_state = {"next_group_id": 0, "inflight": []}
-  taken, last_eval = None, {}
+  taken, last_eval, evaluated = None, {}, [None]  # evaluated[0]: the version last evaluated
   restored = checkpointer.restore_latest(state, parts.prompt_iterator) if resume else None
   if restored is not None:
     state, run_state, _ = restored
@@ -82,6 +82,7 @@ def _run_async(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print
     rollout_state = run_state["rollout"]
     taken = [[decode_sample(data) for data in group] for group in run_state.get("taken", [])]
     last_eval = dict(run_state.get("last_eval", {}))
+    evaluated[0] = run_state.get("evaluated_version")
   timer, writer, evaluator = run_services(parts, run_dir)
   ledger = SampleLedger(os.path.join(run_dir, LEDGER_FILE))
   if restored is not None:
@@ -107,7 +108,8 @@ def _run_async(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print
             "consumed_tokens": totals["tokens"], "wall_s": timer.wall_s(),
             "buffer": buffer.get_state(), "rollout": rollouter.snapshot(),
             "taken": [[encode_sample(s) for s in group] for group in learner.taken or []],
-            "last_eval": last_eval, **log_offsets(run_dir, ledger)}
+            "last_eval": last_eval, "evaluated_version": evaluated[0],
+            **log_offsets(run_dir, ledger)}
 
   def save_checkpoint(at_version: int, learner_state) -> None:
     rollouter.pause()
@@ -123,6 +125,7 @@ def _run_async(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print
     try:
       with timer.excluded():
         last_eval.update(evaluator(learner_state.params, at_version))
+      evaluated[0] = at_version
       writer.write({"policy_version": at_version, "learner_step": int(learner_state.step),
                     "samples": totals["consumed"], "time_s": timer.wall_s(), **last_eval})
     finally:
@@ -201,6 +204,7 @@ def _run_async(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print
   if not last_eval:
     with timer.excluded():
       last_eval.update(evaluator(state.params, version))
+    evaluated[0] = version
     writer.write({"policy_version": version, "learner_step": int(state.step),
                   "samples": totals["consumed"], "time_s": timer.wall_s(), **last_eval})
   interrupted = False
@@ -221,10 +225,11 @@ def _run_async(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print
       raise KeyboardInterrupt
     _raise_role_errors(learner, rollouter)
   final_state = learner.state
-  with timer.excluded():
-    last_eval.update(evaluator(final_state.params, learner.version))
-  writer.write({"policy_version": learner.version, "learner_step": int(final_state.step),
-                "samples": totals["consumed"], "time_s": timer.wall_s(), **last_eval})
+  if evaluated[0] != learner.version:  # the last version may have been evaluated already
+    with timer.excluded():
+      last_eval.update(evaluator(final_state.params, learner.version))
+    writer.write({"policy_version": learner.version, "learner_step": int(final_state.step),
+                  "samples": totals["consumed"], "time_s": timer.wall_s(), **last_eval})
   queued = buffer.discard_queued("shutdown")
   if not rollouter.wait_rewards(JOIN_TIMEOUT_S):
     log(f"warning: samples still in the reward pool after {JOIN_TIMEOUT_S} s")

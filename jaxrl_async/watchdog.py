@@ -47,6 +47,10 @@ class Watchdog:
     return self
 
   def __exit__(self, *exc) -> None:
+    if self.fired.is_set():
+      # The watchdog is ending the process (bounded by `rescue_s`): the run must not go on,
+      # nor race the rescue's checkpoint, whatever the caller's thread saw meanwhile.
+      self._thread.join()
     self._stop.set()
     if self._thread.is_alive():
       self._thread.join(timeout=5.0)

@@ -1,0 +1,139 @@
+"""Runs `python -m launch.train` as a subprocess, life after life, and checks a finished run's
+books: the sample ledger, the metrics' versions and the summary. Shared by the chaos and hang
+tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+from jaxrl_async import ledger as ledger_lib
+from jaxrl_async.metrics import read_jsonl
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Small and fast: the same shape of run as the default, on a short task and warm start.
+TINY_BINDINGS = (
+    "DigitReverseTask.max_len = 8",
+    "WarmStartConfig.steps = 20",
+    "WarmStartConfig.batch_size = 16",
+    "RunConfig.group_size = 4",
+    "RunConfig.mini_batch_size = 2",
+    "RunConfig.max_concurrent_decodes = 8",
+    "RunConfig.eval_size = 16",
+)
+
+
+def command(run_dir, gin_file, bindings, *, resume=False):
+  argv = [sys.executable, "-m", "launch.train", "--gin_file", gin_file, "--run_dir",
+          str(run_dir), "--no_progress"]
+  for binding in bindings:
+    argv += ["--gin_bindings", binding]
+  return argv + (["--resume"] if resume else [])
+
+
+def environment(faults_plan: str | None = None) -> dict:
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  env.pop("JAXRL_ASYNC_FAULTS", None)
+  if faults_plan:
+    env["JAXRL_ASYNC_FAULTS"] = faults_plan
+  return env
+
+
+def start(run_dir, gin_file, bindings, *, resume=False, faults_plan=None):
+  return subprocess.Popen(command(run_dir, gin_file, bindings, resume=resume), cwd=ROOT,
+                          env=environment(faults_plan), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+
+
+def finish(process, timeout_s: float):
+  """(returncode, stdout, stderr, seconds waited); a process past the timeout is killed."""
+  began = time.monotonic()
+  try:
+    out, err = process.communicate(timeout=timeout_s)
+  except subprocess.TimeoutExpired:
+    process.kill()
+    out, err = process.communicate()
+    return None, out, err, time.monotonic() - began
+  return process.returncode, out, err, time.monotonic() - began
+
+
+# Where a kill lands, per point: hit counts that land some tens of versions into a life.
+KILL_HITS = {
+    "checkpoint.before_write": (1, 3),
+    "checkpoint.after_write": (1, 3),
+    "buffer.get_groups": (5, 80),
+    "learner.take_publish": (5, 60),
+    "sync.publish": (5, 60),
+    "rollout.decode_step": (100, 1500),
+    "reward.call": (300, 4000),
+}
+SYNC_POINTS = ("checkpoint.before_write", "checkpoint.after_write", "buffer.get_groups",
+               "sync.publish", "rollout.decode_step", "reward.call")
+
+
+def chaos(run_dir, gin_file, bindings, *, kills: int, seed: int, points, life_timeout_s=900,
+          max_lives: int | None = None, log=print) -> dict:
+  """Kills the run with SIGKILL (a fault plan per life) until `kills` kills have happened,
+  resuming after each, then lets it finish. Returns what happened."""
+  rng = random.Random(seed)
+  history, killed = [], 0
+  max_lives = max_lives or 4 * kills + 4
+  for life in range(max_lives):
+    plan = None
+    if killed < kills:
+      point = rng.choice(points)
+      plan = f"{point}=kill@{rng.randint(*KILL_HITS[point])}"
+    process = start(run_dir, gin_file, bindings, resume=life > 0, faults_plan=plan)
+    code, out, err, seconds = finish(process, life_timeout_s)
+    history.append({"life": life, "plan": plan, "returncode": code, "seconds": round(seconds)})
+    log(f"chaos seed {seed} life {life}: plan {plan} -> returncode {code} in {seconds:.0f} s")
+    if code == -9 and plan is not None:
+      killed += 1
+      continue
+    if code != 0:
+      raise AssertionError(f"chaos seed {seed} life {life} ({plan}) ended with {code}:\n"
+                           f"{out[-3000:]}\n{err[-6000:]}")
+    if killed >= kills:
+      return {"seed": seed, "kills": killed, "lives": history}
+    # It finished before the planned kills (a kill point set past the run's end): too short
+    raise AssertionError(f"chaos seed {seed}: the run finished after {killed} of {kills} kills")
+  raise AssertionError(f"chaos seed {seed}: no finish within {max_lives} lives: {history}")
+
+
+def books(run_dir) -> dict:
+  """A finished run's accounting, from its files: ledger audit, versions, summary."""
+  with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
+    summary = json.load(f)
+  events = ledger_lib.read_events(os.path.join(run_dir, ledger_lib.LEDGER_FILE))
+  group_size = int(summary["ledger/produced"]) // max(int(summary["rollout/next_group_id"]), 1)
+  audit = ledger_lib.audit(events, next_group_id=int(summary["rollout/next_group_id"]),
+                           group_size=group_size)
+  records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+  version_records = [r["policy_version"] for r in records if "result/reward_mean" in r]
+  eval_records = [r["policy_version"] for r in records
+                  if "eval/accuracy" in r and "result/reward_mean" not in r]
+  consumed_groups = [g for e in events if e["event"] == "consumed" for g in e["groups"]]
+  return {"summary": summary, "audit": audit, "version_records": version_records,
+          "eval_records": eval_records, "consumed_groups": consumed_groups,
+          "figures": {"produced": audit["produced"], "consumed": audit["consumed"],
+                      "dropped": audit["dropped"], "missing": len(audit["missing"]),
+                      "duplicates": len(audit["duplicates"]),
+                      "accuracy": summary.get("eval/accuracy")}}
+
+
+def check_books(report: dict, num_versions: int) -> None:
+  audit = report["audit"]
+  assert audit["missing"] == [], f"lost samples: {audit['missing'][:20]}"
+  assert audit["duplicates"] == [], f"samples counted twice: {audit['duplicates'][:20]}"
+  assert audit["unknown"] == [], audit["unknown"][:20]
+  assert len(report["consumed_groups"]) == len(set(report["consumed_groups"]))
+  assert report["version_records"] == list(range(1, num_versions + 1))
+  assert len(report["eval_records"]) == len(set(report["eval_records"]))
+  summary = report["summary"]
+  assert summary["ledger/missing"] == 0 and summary["ledger/duplicates"] == 0
+  assert audit["consumed"] == summary["consumed_samples"]

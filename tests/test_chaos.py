@@ -1,0 +1,48 @@
+"""Chaos: the default task is killed with SIGKILL at random fault points, resumed with
+--resume after each kill, and must end with every produced sample consumed once or dropped
+once under a reason, each version recorded once, and the held-out accuracy of a clean run.
+
+The seed is printed (and JAXRL_ASYNC_CHAOS_SEED replays one); figures go to stdout."""
+
+import json
+import os
+import random
+
+import pytest
+
+from tests import run_lives
+
+CHAOS_BINDINGS = (
+    "RunConfig.total_samples = 25600",  # 400 versions of the default task
+    "RunConfig.checkpoint_every_versions = 20",
+    "RunConfig.eval_every_versions = 50",
+)
+NUM_VERSIONS = 400
+
+
+def _seed() -> int:
+  return int(os.environ.get("JAXRL_ASYNC_CHAOS_SEED", random.randrange(1 << 30)))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize("gin_file, extra, kills, points", [
+    ("gin/modes/async_partial.gin", (), 5, tuple(run_lives.KILL_HITS)),
+    ("gin/modes/sync.gin", (), 3, run_lives.SYNC_POINTS),
+    ("gin/modes/async_partial.gin", ("RunConfig.mini_batch_size = 4",
+                                     "RunConfig.trigger_parameter_sync_step = 2"), 3,
+     tuple(run_lives.KILL_HITS)),
+], ids=["async_partial", "sync", "async_partial-trigger2"])
+def test_kill_9_at_random_points_loses_and_duplicates_nothing(tmp_path, gin_file, extra, kills,
+                                                              points):
+  seed = _seed()
+  print(f"\nchaos seed {seed} ({gin_file} {extra}); replay with JAXRL_ASYNC_CHAOS_SEED={seed}")
+  run_dir = tmp_path / "run"
+  history = run_lives.chaos(run_dir, gin_file, CHAOS_BINDINGS + extra, kills=kills, seed=seed,
+                            points=points)
+  report = run_lives.books(run_dir)
+  print("chaos figures: " + json.dumps({"mode": gin_file, "extra": extra, **history,
+                                        **report["figures"]}))
+  run_lives.check_books(report, NUM_VERSIONS)
+  assert history["kills"] >= kills
+  assert report["summary"]["eval/accuracy"] >= 0.85

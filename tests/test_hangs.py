@@ -1,0 +1,65 @@
+"""No hang anywhere: a `hang` fault at each named point ends the run within its bound.
+
+Where a hang stops the run's progress, the watchdog prints the thread stacks naming the point
+and exits with its code; a reward call that never returns is timed out, counted, and does not
+keep the process from exiting. Runs start a few at a time (they mostly wait)."""
+
+import json
+import os
+
+import pytest
+
+from jaxrl_async import faults
+from jaxrl_async.watchdog import EXIT_CODE
+from tests import run_lives
+
+WATCHDOG_S = 10
+BOUND_S = 420  # start-up on a loaded 2-core machine + reaching the point + watchdog + rescue
+AT_ONCE = 3  # runs started together (most of their time is waiting)
+BINDINGS = run_lives.TINY_BINDINGS + (
+    f"RunConfig.watchdog_timeout_s = {WATCHDOG_S}.0",
+    "RunConfig.checkpoint_every_versions = 2",
+    "RunConfig.eval_every_versions = 1000",
+    "RunConfig.reward_timeout_s = 1.0",
+    "RunConfig.reward_retries = 0",
+)
+# (mode, point, hit): hits land after a few versions.
+CASES = [("gin/modes/async_partial.gin", point, hit) for point, hit in (
+    ("checkpoint.before_write", 2), ("checkpoint.after_write", 2), ("buffer.get_groups", 5),
+    ("learner.take_publish", 5), ("sync.publish", 5), ("rollout.decode_step", 60))]
+CASES += [("gin/modes/sync.gin", "sync.publish", 3), ("gin/modes/sync.gin", "buffer.get_groups", 3)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3000)
+def test_a_hang_at_each_point_ends_the_run_within_its_bound(tmp_path):
+  assert {point for _, point, _ in CASES} == set(faults.POINTS) - {"reward.call"}
+  failures = []
+  for first in range(0, len(CASES), AT_ONCE):
+    runs = []
+    for i, (gin_file, point, hit) in enumerate(CASES[first:first + AT_ONCE], start=first):
+      bindings = BINDINGS + ("RunConfig.total_samples = 10000000",)
+      runs.append((point, gin_file, run_lives.start(tmp_path / f"run{i}", gin_file, bindings,
+                                                    faults_plan=f"{point}=hang@{hit}")))
+    for point, gin_file, process in runs:
+      code, _, err, seconds = run_lives.finish(process, BOUND_S)
+      if code != EXIT_CODE or f"blocked at fault point {point}" not in err:
+        failures.append(f"{gin_file} {point}: returncode {code} after {seconds:.0f} s\n"
+                        f"{err[-2000:]}")
+  assert not failures, "\n\n".join(failures)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_reward_call_that_never_returns_is_counted_and_does_not_hold_the_exit(tmp_path):
+  run_dir = tmp_path / "run"
+  bindings = BINDINGS + ("RunConfig.total_samples = 160",)  # 20 versions of 2 x 4 samples
+  process = run_lives.start(run_dir, "gin/modes/async_partial.gin", bindings,
+                            faults_plan="reward.call=hang@7")
+  code, out, err, _ = run_lives.finish(process, BOUND_S)
+  assert code == 0, (out[-2000:], err[-4000:])
+  with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
+    summary = json.load(f)
+  assert summary["reward/timeout"] >= 1
+  assert summary["queue/dropped/reward_timeout"] >= 1
+  assert summary["ledger/missing"] == 0 and summary["ledger/duplicates"] == 0
