@@ -144,6 +144,7 @@ def _run_async(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print
     record.update(buffer.metrics())
     record.update(sync)
     record.update({f"rollout/{k}": v for k, v in rollouter.counts.items()})
+    record.update(reward_metrics(parts.rewards))
     record["learner/wait_s"] = learner.wait_s
     writer.write(record)
     bar.set_postfix(reward=f"{record['result/reward_mean']:.3f}",
