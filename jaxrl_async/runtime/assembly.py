@@ -71,8 +71,12 @@ def model_parts(config):
   from jaxrl_async.tasks.reverse import DigitReverseTask
   task = config.task if config.task is not None else DigitReverseTask(config.seed)
   cache_length = config.cache_length or task.max_sequence_len
-  model_config = get_config(config.model, vocab_size=task.tokenizer.vocab_size,
-                            max_seq_len=cache_length)
+  if getattr(config, "checkpoint", None) is not None:  # a Hugging Face checkpoint's shapes
+    from jaxrl_async.controller import checkpoint_model_config
+    model_config = checkpoint_model_config(config.checkpoint, task, cache_length)
+  else:
+    model_config = get_config(config.model, vocab_size=task.tokenizer.vocab_size,
+                              max_seq_len=cache_length)
   model = jax.eval_shape(functools.partial(init_model, model_config))
   graphdef, abstract = split_model(model)
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract)

@@ -159,7 +159,10 @@ class Fleet:
           raise RolloutServerFailed(f"rollout server {index} did not answer {method}")
     return results
 
-  def pause(self, timeout: float = 120.0) -> None:
+  def pause(self, timeout: float | None = None) -> None:
+    """Pauses every server; one that does not pause within `timeout` (default: 3 heartbeat
+    timeouts, at least 30 s) is replaced as unresponsive."""
+    timeout = max(3 * self.heartbeat_timeout_s, 30.0) if timeout is None else timeout
     with self._lock:
       self._each("pause", timeout)
       self._paused = True

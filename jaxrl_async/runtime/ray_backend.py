@@ -105,12 +105,16 @@ def start_local_cluster(nodes: Sequence[Mapping[str, Any]], *, object_store_mb: 
   the head. Connects this process (`ray.init`) and returns the `Cluster`; `stop_local_cluster`
   shuts both down. For tests and one-machine runs; a real cluster is started by `ray start`.
   """
-  ray = require_ray()
-  from ray.cluster_utils import Cluster
-
   if not nodes:
     raise ValueError("start_local_cluster needs at least one node")
+  # Ray resolves "this node's address" to the loopback address only with this switch off; it
+  # reads it at import, so it is set first (and on an imported Ray, where it is kept).
   os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+  ray = require_ray()
+  from ray._private import ray_constants
+  from ray.cluster_utils import Cluster
+
+  ray_constants.ENABLE_RAY_CLUSTER = False
   common = {"node_ip_address": LOOPBACK, "object_store_memory": object_store_mb * 2**20}
   cluster = Cluster(initialize_head=True,
                     head_node_args={**common, "include_dashboard": False, **nodes[0]})
@@ -118,6 +122,8 @@ def start_local_cluster(nodes: Sequence[Mapping[str, Any]], *, object_store_mb: 
     for node in nodes[1:]:
       cluster.add_node(**common, **node)
     cluster.wait_for_nodes()
+    if not str(cluster.address).startswith(LOOPBACK + ":"):
+      raise RuntimeError(f"the local Ray cluster is not on {LOOPBACK}: {cluster.address}")
     ray.init(address=cluster.address, _node_ip_address=LOOPBACK, log_to_driver=False,
              namespace="jaxrl_async")
   except BaseException:

@@ -39,11 +39,13 @@ def call(conn, method: str, args: tuple, kwargs: dict, timeout: float) -> Any:
   """Sends one request and waits at most `timeout` seconds for its reply."""
   try:
     conn.send((method, args, kwargs))
-    if not conn.poll(timeout):
-      raise ServiceTimeout(f"{method}: no reply within {timeout:.3g} s")
-    status, value = conn.recv()
+    answered = conn.poll(timeout)
+    if answered:
+      status, value = conn.recv()
   except (EOFError, OSError) as error:
     raise ServiceGone(f"{method}: the connection is closed ({error!r})") from error
+  if not answered:  # (ServiceTimeout is an OSError: raised outside the handler above)
+    raise ServiceTimeout(f"{method}: no reply within {timeout:.3g} s")
   if status == "ok":
     return value
   raise value

@@ -11,9 +11,9 @@ import signal
 import threading
 import time
 
-import gin
 import pytest
 
+import gin
 from jaxrl_async import config as config_lib
 from jaxrl_async import controller
 from jaxrl_async.config import RunConfig

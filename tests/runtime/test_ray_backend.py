@@ -14,6 +14,8 @@ import time
 import numpy as np
 import pytest
 
+# The local cluster stays on the loopback interface only when Ray reads this at import.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 ray = pytest.importorskip("ray")
 
 from jaxrl_async.runtime import ray_backend  # noqa: E402
