@@ -34,6 +34,9 @@ class RunConfig:
   seed: int = 0
   task: Any = None  # a Task; None = the built-in DigitReverseTask(seed)
   model: str = "tiny"
+  # A model.weights.HFCheckpoint: the model and its initial weights from a Hugging Face
+  # directory (then `model` and the warm start are not used); None = `model` + warm start.
+  checkpoint: Any = None
   cache_length: int | None = None  # KV cache / sequence length; None = the task's longest
   # -- batch geometry --
   group_size: int = 8

@@ -87,8 +87,11 @@ def build(config: RunConfig, *, log=print) -> Parts:
         f"cache_length={config.cache_length} is shorter than the task's longest prompt + "
         f"response ({task.max_prompt_len} + {task.max_response_len} = "
         f"{task.max_sequence_len} tokens); allowed: >= {task.max_sequence_len} or None")
-  model_config = get_config(config.model, vocab_size=task.tokenizer.vocab_size,
-                            max_seq_len=cache_length)
+  if config.checkpoint is not None:
+    model_config = checkpoint_model_config(config.checkpoint, task, cache_length)
+  else:
+    model_config = get_config(config.model, vocab_size=task.tokenizer.vocab_size,
+                              max_seq_len=cache_length)
   placement = sharding.place_roles(config.learner_mesh, config.rollout_mesh,
                                    learner_device_ids=config.learner_device_ids,
                                    rollout_device_ids=config.rollout_device_ids)
@@ -96,7 +99,11 @@ def build(config: RunConfig, *, log=print) -> Parts:
   model = jax.eval_shape(lambda: init_model(model_config))
   graphdef, _ = split_model(model)
   logical_axes = param_logical_axes(model)
-  params = cached_base_policy(task, model_config, config.warm_start, mesh, log=log)
+  if config.checkpoint is not None:
+    log(f"initial weights: {config.checkpoint.path}")
+    params = config.checkpoint.load(model_config, mesh, logical_axes)
+  else:
+    params = cached_base_policy(task, model_config, config.warm_start, mesh, log=log)
   state = step_lib.init_train_state(params, config.learner.optimizer(), mesh, logical_axes)
   update = step_lib.make_update_fn(graphdef, config.learner, config.group_size,
                                    step_lib.state_shardings(state))
@@ -114,6 +121,21 @@ def build(config: RunConfig, *, log=print) -> Parts:
                eval_problems=task.eval_set(config.eval_size),
                prompt_iterator=prompt_iterator, rewards=rewards,
                ref_params=copy_params(state.params) if config.learner.needs_reference else None)
+
+
+def checkpoint_model_config(checkpoint, task, cache_length: int):
+  """The ModelConfig of a Hugging Face checkpoint (`model.weights.HFCheckpoint`), checked
+  against the task's tokenizer."""
+  if not callable(getattr(checkpoint, "model_config", None)):
+    raise TypeError(f"RunConfig.checkpoint must be a model.weights.HFCheckpoint or None, got "
+                    f"{checkpoint!r}")
+  model_config = checkpoint.model_config(max_seq_len=cache_length)
+  if task.tokenizer.vocab_size > model_config.vocab_size:
+    raise ValueError(
+        f"the task's tokenizer has {task.tokenizer.vocab_size} ids but the checkpoint "
+        f"{checkpoint.path} embeds only vocab_size={model_config.vocab_size}: use the "
+        "checkpoint's own tokenizer")
+  return model_config
 
 
 def make_group_requests(problem, group_id: int, group_size: int, seed: int, members=None,

@@ -64,6 +64,7 @@ _SHORT_NAMES = {
     "Fields.": "jaxrl_async.tasks.datasets.Fields.",
     "MathReward.": "jaxrl_async.tasks.math_rewards.MathReward.",
     "MeshShape.": "jaxrl_async.sharding.MeshShape.",
+    "HFCheckpoint.": "jaxrl_async.model.weights.HFCheckpoint.",
 }
 
 

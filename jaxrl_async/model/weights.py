@@ -64,6 +64,16 @@ class HFCheckpoint:
     return load_config(self.path, max_seq_len=max_seq_len, dtype=self.dtype,
                        param_dtype=self.param_dtype, remat=self.remat)
 
+  def load(self, config: ModelConfig, mesh=None, logical_axes=None):
+    """The params, placed by their logical axes on `mesh` (or on the default device)."""
+    shardings = None
+    if mesh is not None:
+      from jaxrl_async import sharding  # the only place PartitionSpecs are made
+
+      _, abstract, axes = abstract_params(config)
+      shardings = sharding.param_shardings(logical_axes or axes, abstract, mesh)
+    return load_params(self.path, config, shardings=shardings)
+
 
 def load_config(directory, **kwargs) -> ModelConfig:
   """`hf_config.config_from_hf` of the directory's config.json."""
