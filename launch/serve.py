@@ -2,8 +2,10 @@
 
     jaxrl-async serve --checkpoint runs/sync                  # latest checkpoint, 127.0.0.1:9000
     jaxrl-async serve --checkpoint runs/sync/checkpoints --step 50 --port 0 --temperature 0
+    jaxrl-async serve --hf_model path/to/Qwen2.5-0.5B --max_seq_len 2048 --temperature 0
 
-The run's `config.gin` says which model and task the checkpoint belongs to. The server prints
+The run's `config.gin` says which model and task the checkpoint belongs to; a Hugging Face
+directory (config.json, safetensors, tokenizer.json; the `hf` extra) brings its own. The server prints
 `serving <what> on <host>:<port>` once it takes requests, and stops on Ctrl-C or SIGTERM.
 """
 
@@ -25,8 +27,13 @@ from launch.train import load_config
 def parse_args(argv=None):
   parser = argparse.ArgumentParser(prog="jaxrl-async serve", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--checkpoint", required=True,
-                      help="a run directory, or its checkpoints/ folder")
+  source = parser.add_mutually_exclusive_group(required=True)
+  source.add_argument("--checkpoint", help="a run directory, or its checkpoints/ folder")
+  source.add_argument("--hf_model", help="a Hugging Face model directory")
+  parser.add_argument("--max_seq_len", type=int, default=None,
+                      help="--hf_model: KV cache length (default max_position_embeddings)")
+  parser.add_argument("--max_prompt_len", type=int, default=None,
+                      help="--hf_model: longest prompt (default half of max_seq_len)")
   parser.add_argument("--step", type=int, default=None, help="policy version (default: latest)")
   parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
   parser.add_argument("--port", type=int, default=9000, help="0 picks a free port")
@@ -40,16 +47,22 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  from jaxrl_async.rollout.sampling import SamplingConfig
   from jaxrl_async.serve import policy as policy_lib
   from jaxrl_async.serve.server import PolicyServer
   try:
-    run_dir = policy_lib.run_dir_of(args.checkpoint)
-    load_config([os.path.join(run_dir, "config.gin")], [])
-    config = gin.get_configurable(config_lib.RunConfig)()
-    sampling = config.sampling
+    if args.hf_model:
+      sampling = SamplingConfig()
+      policy = policy_lib.policy_from_hf(args.hf_model, max_seq_len=args.max_seq_len,
+                                         max_prompt_len=args.max_prompt_len)
+    else:
+      run_dir = policy_lib.run_dir_of(args.checkpoint)
+      load_config([os.path.join(run_dir, "config.gin")], [])
+      config = gin.get_configurable(config_lib.RunConfig)()
+      sampling = config.sampling
+      policy = policy_lib.policy_from_checkpoint(config, args.checkpoint, args.step)
     if args.temperature is not None:
       sampling = dataclasses.replace(sampling, temperature=args.temperature)
-    policy = policy_lib.policy_from_checkpoint(config, args.checkpoint, args.step)
     server = PolicyServer(policy, host=args.host, port=args.port,
                           max_concurrent_decodes=args.max_concurrent_decodes, sampling=sampling,
                           seed=args.seed, steps_per_call=args.decode_steps_per_call)

@@ -7,6 +7,7 @@ import pytest
 
 import gin
 from benchmarks import concurrency_ceiling, learner_step, modes
+from benchmarks import serve as serve_bench
 
 TINY = ("DigitReverseTask.max_len = 8", "WarmStartConfig.steps = 20",
         "WarmStartConfig.batch_size = 16", "RunConfig.group_size = 4",
@@ -68,3 +69,14 @@ def test_concurrency_ceiling_reports_every_pair(tmp_path):
   record = _read(out)
   for part in ("python_processes", "xla_processes", "xla_threads", "roles"):
     assert record[part]["speedup"] > 0, part
+
+
+@pytest.mark.slow
+def test_serve_compares_the_server_with_the_engine(tmp_path):
+  out = tmp_path / "serve.json"
+  assert serve_bench.main(["--requests", "6", "--slots", "4", "--repeats", "1",
+                           "--out", str(out)]) == 0
+  record = _read(out)
+  assert record["tokens_match"] is True  # the server streamed the engine's tokens
+  assert record["requests"] == 6 and record["tokens"] >= 6
+  assert record["engine_tokens_per_s"] > 0 and record["server_tokens_per_s"] > 0

@@ -1,4 +1,5 @@
-"""The policy a server serves: a run's checkpoint (the learner's params at a saved version).
+"""The policy a server serves: a run's checkpoint (the learner's params at a saved version), or
+an imported Hugging Face model directory (config.json, safetensors, tokenizer.json).
 
 A run directory holds `config.gin` (its operative config, read at the edge by `launch/serve.py`)
 and `checkpoints/<policy_version>/` written by `jaxrl_async.checkpoint.RunCheckpointer`, whose
@@ -66,3 +67,26 @@ def policy_from_checkpoint(config: RunConfig, path: str | os.PathLike,
                 eos_id=task.tokenizer.eos_id, max_prefill_length=task.max_prompt_len,
                 max_response_len=task.max_response_len, version=int(step),
                 description=f"{directory} at policy_version {step}")
+
+
+def policy_from_hf(directory: str | os.PathLike, *, max_seq_len: int | None = None,
+                   max_prompt_len: int | None = None, dtype: str = "float32") -> Policy:
+  """A Hugging Face model directory as a Policy (`model/weights.py`; tokenizer.json read with
+  the `hf` extra). max_seq_len: the KV cache length (default the model's
+  max_position_embeddings); max_prompt_len: the longest prompt (default half of it); responses
+  take the rest of the cache."""
+  from jaxrl_async.model import weights
+  from jaxrl_async.tasks.hf_tokenizer import HFTokenizer
+  model_config = weights.load_config(directory, max_seq_len=max_seq_len, dtype=dtype)
+  cache_length = model_config.max_seq_len
+  max_prompt_len = cache_length // 2 if max_prompt_len is None else max_prompt_len
+  if not 1 <= max_prompt_len < cache_length:
+    raise ValueError(f"max_prompt_len must be in [1, max_seq_len={cache_length}), got "
+                     f"{max_prompt_len}")
+  tokenizer = HFTokenizer.from_dir(directory)
+  graphdef, _, _ = abstract_params(model_config)
+  params = weights.load_params(directory, model_config)
+  return Policy(graphdef=graphdef, params=params, model_config=model_config,
+                tokenizer=tokenizer, eos_id=tokenizer.eos_id, max_prefill_length=max_prompt_len,
+                max_response_len=cache_length - max_prompt_len,
+                description=f"{os.path.abspath(os.fspath(directory))} (Hugging Face)")

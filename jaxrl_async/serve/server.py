@@ -79,7 +79,9 @@ def check_request(request: pb.DecodeRequest, *, tokenizer, vocab_size: int,
     if not request.text_content.text:
       raise BadRequest("text_content.text is empty: the prompt needs at least one character")
     try:
-      tokens = np.asarray(tokenizer.encode(request.text_content.text, add_bos=True), np.int32)
+      add_bos = getattr(tokenizer, "bos_id", None) is not None
+      tokens = np.asarray(tokenizer.encode(request.text_content.text, add_bos=add_bos),
+                          np.int32)
     except ValueError as error:
       raise BadRequest(f"text_content.text: {error}") from None
   else:
