@@ -11,8 +11,9 @@ role) and its operative `config.gin`, and fits:
 - the learner: busy seconds per version = per_update_s + s_per_token * tokens, least squares
   over versions (per-token only when the fit is degenerate);
 - reward: its busy seconds per sample; sync: the mean `sync/latency_s`;
-- sync_mode_overhead_s: wall-clock per version not covered by any role (host time between the
-  sync baseline's stages), from a sync run.
+- version_overhead_s: wall-clock per version not covered by any role (host time: records,
+  bookkeeping), from a sync run; startup_s: the time before the fitted versions that they do
+  not account for (tracing, compilation).
 
 If the run directory has `spans.jsonl` (one object per busy interval: role, start_s, end_s),
 the role busy totals are taken from it instead of the cumulative counters.
@@ -147,6 +148,7 @@ def profile_from_run(run_dir: str, *, skip_versions: int = 2, seed: int = 0,
   reward_s = busy["reward"] / samples
   overhead = max(0.0, (wall - sum(busy.values())) / versions) if knobs.get(
       "mode", "sync") == "sync" else 0.0
+  startup = max(0.0, first["time_s"] - first["policy_version"] * wall / versions)
   notes = (f"fitted from {path}: versions {first['policy_version']}..{last['policy_version']}, "
            f"{samples} samples, {tokens:.0f} response tokens, wall {wall:.3f} s, busy "
            + ", ".join(f"{k} {v:.3f} s" for k, v in busy.items()),)
@@ -156,20 +158,20 @@ def profile_from_run(run_dir: str, *, skip_versions: int = 2, seed: int = 0,
                  reward_workers=1, reward_latency=LatencyModel(kind="fixed", value=reward_s),
                  learner=LearnerCost(per_update_s=per_update, s_per_token=per_token),
                  sync=SyncCost(fixed_s=sync_s), contention=contention,
-                 sync_mode_overhead_s=overhead, notes=notes)
+                 version_overhead_s=overhead, notes=notes)
   # Decode steps per version of this geometry: simulate the sync schedule at 1 s per step.
   config = RunConfig(mode="sync", group_size=group_size,
                      mini_batch_size=int(knobs.get("mini_batch_size", 8)),
                      require_batches=int(knobs.get("require_batches", 1)),
                      trigger_parameter_sync_step=updates_per_version,
                      max_concurrent_decodes=slots, total_samples=10 ** 9)
-  probe = dataclasses.replace(base, reward_latency=LatencyModel(), sync_mode_overhead_s=0.0,
+  probe = dataclasses.replace(base, reward_latency=LatencyModel(), version_overhead_s=0.0,
                               learner=LearnerCost(), sync=SyncCost())
   probe_versions = 20
   steps_per_version = simulate(probe, config, num_versions=probe_versions, seed=seed).summary[
       "rollout/busy_s"] / probe_versions
   step_s = busy["rollout"] / versions / steps_per_version
-  return dataclasses.replace(base, rollout=RolloutCost(replicas=1, slots=slots,
+  return dataclasses.replace(base, startup_s=startup, rollout=RolloutCost(replicas=1, slots=slots,
                                                        decode_curve=((1, step_s),)),
                              notes=notes + (f"decode step {step_s * 1e3:.3f} ms (rollout busy per "
                                             f"version / {steps_per_version:.1f} simulated "

@@ -19,7 +19,11 @@ loops that `simulator.py` drives. Times are seconds of the virtual clock.
   roles compute at once each runs at speed 1 / (1 + contention * (k - 1)).
 - colocated: the sync baseline's own rollout replicas and learner costs when it runs on all
   devices (verl's colocated baseline); fields missing there fall back to the ones above.
-- sync_mode_overhead_s: host time per version between the sync baseline's stages.
+- sync_mode_overhead_s: host time per version between the sync baseline's stages (sync only).
+- version_overhead_s: host time per version in every mode, outside every role's busy time
+  (records, bookkeeping): between the stages in sync, on the learner's thread after publishing
+  in the async modes.
+- startup_s: time before the first version starts (tracing, compilation).
 - token_block: real tokens per simulated token entry (1 = exact per-token versions; a larger
   block keeps long responses cheap to simulate, versions then change only at block edges).
 """
@@ -194,6 +198,8 @@ class Profile:
   colocated_rollout: RolloutCost | None = None
   colocated_learner: LearnerCost | None = None
   sync_mode_overhead_s: float = 0.0
+  version_overhead_s: float = 0.0
+  startup_s: float = 0.0
   token_block: int = 1
   notes: tuple = ()  # every assumed number and its source, in words
 
@@ -204,7 +210,8 @@ class Profile:
     if not 0.0 <= self.reward_fail_prob <= 1.0:
       _fail("reward_fail_prob", self.reward_fail_prob, "a probability in [0, 1]")
     _positive("contention", self.contention, zero_ok=True)
-    _positive("sync_mode_overhead_s", self.sync_mode_overhead_s, zero_ok=True)
+    for name in ("sync_mode_overhead_s", "version_overhead_s", "startup_s"):
+      _positive(name, getattr(self, name), zero_ok=True)
 
   def resources(self, mode: str) -> tuple[RolloutCost, LearnerCost]:
     """The rollout and learner costs a mode runs with (sync: the colocated ones, if given)."""

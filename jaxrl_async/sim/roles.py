@@ -232,7 +232,8 @@ class SimLearner:
   """`LearnerRole.run` on the virtual clock; `update_s(groups, local)` models one update."""
 
   def __init__(self, *, device: Device, ready: ReadyGroups, publish: Callable[[int], None],
-               update_s: Callable[[list, int], float], sync_s: float, groups_per_update: int,
+               update_s: Callable[[list, int], float], sync_s: float, overhead_s: float,
+               groups_per_update: int,
                trigger_parameter_sync_step: int, num_versions: int, on_policy: bool,
                max_version_gap: int | None, debug_checks: bool,
                on_version: Callable[[int, list, dict, float], None]):
@@ -241,6 +242,7 @@ class SimLearner:
     self.publish = publish
     self.update_s = update_s
     self.sync_s = sync_s
+    self.overhead_s = overhead_s  # host time per version on this thread (the record etc.)
     self.groups_per_update = groups_per_update
     self.trigger = trigger_parameter_sync_step
     self.num_versions = num_versions
@@ -285,6 +287,8 @@ class SimLearner:
       yield ("work", self.device, self.sync_s, "sync")
       self._publish(self.version)
       self.on_version(self.version, consumed, {"learner/wait_s": self.wait_s}, self.sync_s)
+      if self.overhead_s and self.version < self.num_versions:
+        yield ("work", self.device, self.overhead_s, "host")
 
   def _publish(self, version: int) -> None:
     self.latest_published = version

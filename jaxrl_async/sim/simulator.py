@@ -159,7 +159,8 @@ def simulate(profile: Profile, config: RunConfig, *, num_versions: int | None = 
                         lambda: {"sim/generate_s": state.get("generate_s", 0.0)})
     body = sync_loop(clock, pool=pool, buffer=buffer, ready=ready, learner=learner_device,
                      update_s=update_s, sync_s=sync_s + rollout_cost.weight_load_s,
-                     overhead_s=profile.sync_mode_overhead_s, group_size=config.group_size,
+                     overhead_s=profile.sync_mode_overhead_s + profile.version_overhead_s,
+                     group_size=config.group_size,
                      groups_per_update=config.groups_per_update,
                      trigger_parameter_sync_step=config.trigger_parameter_sync_step,
                      num_versions=num_versions, state=state, process=holder,
@@ -173,6 +174,7 @@ def simulate(profile: Profile, config: RunConfig, *, num_versions: int | None = 
                              on_group_ready=lambda: holder[0].wake("groups"))
     learner = SimLearner(device=learner_device, ready=ready, publish=rollouter.on_publish,
                          update_s=update_s, sync_s=sync_s,
+                         overhead_s=profile.version_overhead_s,
                          groups_per_update=config.groups_per_update,
                          trigger_parameter_sync_step=config.trigger_parameter_sync_step,
                          num_versions=num_versions,
@@ -191,7 +193,7 @@ def simulate(profile: Profile, config: RunConfig, *, num_versions: int | None = 
     body = learner.run(clock)
   process = Process(clock, body)
   holder.append(process)
-  process.start()
+  clock.at(profile.startup_s, process.start)
   events = clock.run(max_events)
   if rollouter is not None:
     rollouter.stopped = True

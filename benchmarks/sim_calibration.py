@@ -1,0 +1,116 @@
+"""Calibration here: the simulator, fed the profile of a measured sync run, predicts the
+measured samples/s of every mode of benchmarks/modes.py (same backend, same budget).
+
+    python benchmarks/sim_calibration.py --total_samples 6400 --work_dir runs/calibration \
+        --out benchmarks/results/sim_calibration
+
+Runs the five modes as benchmarks/modes.py does (its `run_mode`, each from its gin file, after
+a discarded warm-up run per mode), keeping each run directory; fits the profile from the sync
+run's metrics.jsonl (`jaxrl-async simulate --profile_from`); simulates every mode with that
+profile and the mode's own knobs; prints predicted and measured samples/s and the error.
+`--reuse` skips the runs and reads the run directories of an earlier call.
+
+The async modes run their roles as threads of one process here; the simulator models that
+as roles sharing one host with contention c (k roles computing at once each run at
+1 / (1 + c (k - 1)) speed), with c from benchmarks/concurrency_ceiling.py's measured speedup
+of the two role loops in threads: c = 2 / speedup - 1 (newest result file, or --contention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import modes as modes_benchmark
+from jaxrl_async import compilation_cache
+from jaxrl_async.sim import fit, simulate
+from jaxrl_async.sim.command import mode_configs
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def default_contention() -> tuple[float, str]:
+  files = sorted(glob.glob(os.path.join(RESULTS, "concurrency_ceiling-*.json")))
+  if not files:
+    return 0.0, "no concurrency_ceiling result: contention 0"
+  with open(files[-1], encoding="utf-8") as f:
+    speedup = json.loads(f.readline())["roles"]["speedup"]
+  return max(0.0, 2.0 / speedup - 1.0), f"{os.path.basename(files[-1])}: roles speedup {speedup:.3f}"
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--total_samples", type=int, default=6400)
+  parser.add_argument("--warmup_samples", type=int, default=1280)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--modes", default=",".join(modes_benchmark.MODES))
+  parser.add_argument("--work_dir", default=os.path.join("runs", "sim_calibration"))
+  parser.add_argument("--reuse", action="store_true", help="use the run directories there")
+  parser.add_argument("--contention", type=float, default=None)
+  parser.add_argument("--gin_bindings", action="append", default=[])
+  parser.add_argument("--out", default=None)
+  args = parser.parse_args(argv)
+  modes = args.modes.split(",")
+  if "sync" not in modes:
+    raise SystemExit("--modes must include sync (its run is the profile)")
+  bindings = [f"RunConfig.total_samples = {args.total_samples}", f"RunConfig.seed = {args.seed}",
+              "RunConfig.eval_every_versions = 25",
+              "RunConfig.checkpoint_every_versions = 1000000", *args.gin_bindings]
+  load_before = os.getloadavg()
+  measured = {}
+  if not args.reuse:
+    compilation_cache.enable()
+    for mode in modes:
+      if args.warmup_samples:
+        print(f"warming up {mode} ...", file=sys.stderr, flush=True)
+        warm = os.path.join(args.work_dir, f"warmup-{mode}")
+        modes_benchmark.run_mode(mode, [*bindings, f"RunConfig.total_samples = "
+                                        f"{args.warmup_samples}"], warm)
+      print(f"running {mode} ...", file=sys.stderr, flush=True)
+      modes_benchmark.run_mode(mode, bindings, os.path.join(args.work_dir, mode))
+  for mode in modes:
+    with open(os.path.join(args.work_dir, mode, "summary.json"), encoding="utf-8") as f:
+      measured[mode] = json.load(f)["system/samples_per_s"]
+  contention, contention_source = ((args.contention, "--contention")
+                                   if args.contention is not None else default_contention())
+  profile = fit.profile_from_run(os.path.join(args.work_dir, "sync"), seed=args.seed)
+  configs = mode_configs(modes, bindings)
+  table = {}
+  for mode in modes:
+    used = profile if mode == "sync" else dataclasses.replace(profile, contention=contention)
+    summary = simulate(used, configs[mode], seed=args.seed).summary
+    predicted = summary["system/samples_per_s"]
+    table[mode] = {"measured_samples_per_s": measured[mode],
+                   "predicted_samples_per_s": predicted,
+                   "error": predicted / measured[mode] - 1,
+                   "within_15_percent": abs(predicted / measured[mode] - 1) <= 0.15,
+                   "measured_vs_sync": measured[mode] / measured["sync"],
+                   "predicted_vs_sync": predicted / table.get("sync", {}).get(
+                       "predicted_samples_per_s", predicted),
+                   "predicted_rollout_idle_ratio": summary["rollout/idle_ratio"],
+                   "predicted_learner_idle_ratio": summary["learner/idle_ratio"],
+                   "predicted_stale_ratio": summary["algo/stale_ratio"],
+                   "predicted_version_gap_max": summary["algo/version_gap_max"]}
+  line = {"benchmark": "sim_calibration", "total_samples": args.total_samples,
+          "warmup_samples": args.warmup_samples, "seed": args.seed,
+          "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+          "load_average_before": load_before[0], "load_average_after": os.getloadavg()[0],
+          "contention": contention, "contention_source": contention_source,
+          "profile": profile.to_dict(), "modes": table}
+  if args.out:
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out + ".json", "w", encoding="utf-8") as f:
+      json.dump(line, f, indent=1, default=float)
+  print(json.dumps(line, default=float))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,44 @@
+"""The simulator's benchmark scripts run end to end on small settings and print their fields.
+(Their figures come from running them as documented; nothing here times.)"""
+
+import json
+
+from benchmarks import sim_calibration, sim_speed, sim_verl
+from jaxrl_async.config import RunConfig
+from jaxrl_async.sim import profile_from_dict, simulate
+from tests.sim.test_profiles_and_command import GEOMETRY, PROFILE
+
+
+def _last_line(capsys):
+  return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_sim_verl_puts_predictions_beside_the_published_table(capsys):
+  assert sim_verl.main(["--gpus", "128", "--num_versions", "2", "--exponents", ""]) == 0
+  row = _last_line(capsys)["gpus"]["128"]
+  assert row["published_speedup_400_steps"] == 2.35
+  assert row["predicted_speedup"] > 0
+  assert set(row["modes"]) == set(sim_verl.MODE_ROWS)
+
+
+def test_sim_speed_reports_its_timing(capsys):
+  assert sim_speed.main(["--num_versions", "3"]) == 0
+  line = _last_line(capsys)
+  assert line["num_versions"] == 3 and line["simulate_s"] > 0 and line["samples"] > 0
+
+
+def test_sim_calibration_on_run_directories(tmp_path, capsys):
+  """--reuse: run directories shaped as real runs write them (here made by the simulator)."""
+  profile = profile_from_dict(PROFILE)
+  for mode, extra in (("sync", {}), ("async_stale", {"staleness_threshold": 0.5})):
+    simulate(profile, RunConfig(mode=mode, **GEOMETRY, **extra)).write(tmp_path / mode)
+  (tmp_path / "sync" / "config.gin").write_text("x.config.RunConfig.group_size = 4\n"
+                                                "x.config.RunConfig.max_concurrent_decodes = 32\n")
+  assert sim_calibration.main(["--reuse", "--work_dir", str(tmp_path), "--modes",
+                               "sync,async_stale", "--total_samples", "3200",
+                               "--gin_bindings", "RunConfig.group_size = 4",
+                               "--gin_bindings", "RunConfig.max_concurrent_decodes = 32",
+                               "--contention", "0"]) == 0
+  table = _last_line(capsys)["modes"]
+  assert abs(table["sync"]["error"]) < 0.05  # the profile was fitted on this very run
+  assert table["async_stale"]["measured_samples_per_s"] > 0
