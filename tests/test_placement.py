@@ -9,12 +9,14 @@ import jax
 import numpy as np
 import pytest
 
+import gin
 from jaxrl_async import controller, sharding
 from jaxrl_async.config import RunConfig
 from jaxrl_async.learner.sft import WarmStartConfig
 from jaxrl_async.sharding import MeshShape
 from jaxrl_async.sync.channel import DeviceTransferChannel
 from jaxrl_async.tasks.reverse import DigitReverseTask
+from launch import train
 
 GROUP_SIZE = 4
 SPLIT = dict(learner_mesh=MeshShape(data=1, fsdp=4, tensor=1),
@@ -170,3 +172,12 @@ def test_split_run_trains_with_the_engine_on_the_rollout_devices(tmp_path, mode,
     assert device_ids(batcher.params) == {4, 5, 6, 7}
     assert device_ids(batcher._state) == {4, 5, 6, 7}
   assert max(b.version for b in batchers) == config.num_versions
+
+
+def test_gin_file_places_the_roles_4_plus_4():
+  train.load_config(["gin/modes/async_partial.gin", "gin/placement/split_4_4.gin"], [])
+  config = gin.get_configurable(RunConfig)()
+  assert config.mode == "async_partial"
+  placement = sharding.place_roles(config.learner_mesh, config.rollout_mesh)
+  assert [d.id for d in placement.devices("learner")] == [0, 1, 2, 3]
+  assert [d.id for d in placement.devices("rollout")] == [4, 5, 6, 7]
