@@ -1,6 +1,6 @@
 """VersionedBuffer throughput and queue latency; prints one JSON line.
 
-  python benchmarks/buffer_throughput.py [--samples 96000] [--group_size 8]
+  python benchmarks/buffer_throughput.py [--samples 96000] [--group_size 8] [--cross_process]
 
 Producers acquire a slot per group and put its samples one by one; one consumer takes
 `groups_per_batch` groups per get_groups call and publishes a new version after every
@@ -8,6 +8,13 @@ Producers acquire a slot per group and put its samples one by one; one consumer 
 exercised. Samples are built before the timed region. Reported: samples/s through put + get
 with 1 and with 4 producer threads, and p50 / p99 enqueue -> consume latency in ms over every
 sample of the 4-producer run (1-producer figures are reported too).
+
+`--cross_process`: the buffer is served by `runtime.buffer_service` (the learner's side) and
+`--producer_processes` spawned processes (default 2) admit groups and put each group with one
+`put_many` call over the real transport (multiprocessing.connection on 127.0.0.1, pickled
+samples); the consumer takes groups in the buffer's own process, as the learner does. Reported:
+samples/s through put + get, and p50 / p99 latency from the producer's send (stamped 'created'
+just before `put_many`) to `get_groups` returning, in ms.
 """
 
 from __future__ import annotations
@@ -90,6 +97,77 @@ def run(num_producers: int, num_samples: int, group_size: int, groups_per_versio
           "admission_wait_s": buffer.metrics()["queue/admission_wait_s"]}
 
 
+def produce_remote(address, authkey, producer: int, num_groups: int, group_size: int,
+                   go) -> None:
+  """In a producer process: builds its samples, waits for `go`, then admits and puts them."""
+  from jaxrl_async.runtime.buffer_service import RemoteBufferClient
+  groups = make_samples(num_groups, group_size, producer * num_groups)
+  buffer = RemoteBufferClient(address, authkey, f"producer-{producer}")
+  buffer.acquire_group_slots(1, 0)  # connect before the timed region
+  buffer.put_many(groups[0], TIMEOUT_S)
+  go.wait(TIMEOUT_S)
+  for group in groups[1:]:
+    while not buffer.acquire_group_slots(1, TIMEOUT_S):
+      pass
+    now = time.time()
+    for sample in group:
+      sample.timestamps["created"] = now
+    buffer.put_many(group, TIMEOUT_S)
+  buffer.disconnect()
+
+
+def run_cross_process(num_producers: int, num_samples: int, group_size: int,
+                      groups_per_version: int, staleness_threshold: float,
+                      groups_per_batch: int) -> dict[str, float]:
+  import multiprocessing as mp
+
+  from jaxrl_async.runtime import child
+  from jaxrl_async.runtime.buffer_service import BufferService
+  per_producer = num_samples // group_size // num_producers
+  budget = int(np.floor((1 + staleness_threshold) * groups_per_version))
+  buffer = VersionedBuffer(group_size=group_size, groups_per_version=groups_per_version,
+                           staleness_threshold=staleness_threshold, max_version_gap=None,
+                           capacity=group_size * budget)
+  service = BufferService(buffer).start()
+  go = mp.get_context("spawn").Event()
+  producers = [child.spawn(f"{produce_remote.__module__}:produce_remote",
+                           (service.address, service.authkey, p, per_producer, group_size, go),
+                           name=f"producer-{p}") for p in range(num_producers)]
+  latencies, consumed_groups = [], 0
+  try:
+    # Each producer's first group (put before the timed region) proves it is connected.
+    first = buffer.get_groups(num_producers, 0, TIMEOUT_S * 4)
+    consumed_groups += len(first)
+    start = time.perf_counter()
+    go.set()
+    learner_version, in_version = 0, len(first)
+    remaining = per_producer * num_producers - len(first)
+    while remaining:
+      groups = buffer.get_groups(min(groups_per_batch, remaining), learner_version, TIMEOUT_S)
+      now = time.time()
+      latencies += [now - s.timestamps["created"] for g in groups for s in g]
+      remaining -= len(groups)
+      in_version += len(groups)
+      if in_version >= groups_per_version:
+        learner_version, in_version = learner_version + 1, in_version - groups_per_version
+        buffer.publish_version(learner_version)
+    elapsed = time.perf_counter() - start
+    for process in producers:
+      process.join(TIMEOUT_S)
+      if process.exitcode != 0:
+        raise RuntimeError(f"{process.name} exited with {process.exitcode}")
+  finally:
+    for process in producers:
+      child.reap(process)
+    buffer.close()
+    service.stop()
+  buffer.check_invariants()
+  latency_ms = 1e3 * np.asarray(latencies)
+  return {"samples_per_s": latency_ms.size / elapsed,
+          "latency_ms_p50": float(np.percentile(latency_ms, 50)),
+          "latency_ms_p99": float(np.percentile(latency_ms, 99))}
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--samples", type=int, default=96_000)
@@ -97,11 +175,28 @@ def main() -> None:
   parser.add_argument("--groups_per_version", type=int, default=16)
   parser.add_argument("--staleness_threshold", type=float, default=1.0)
   parser.add_argument("--groups_per_batch", type=int, default=4)
+  parser.add_argument("--cross_process", action="store_true",
+                      help="producers in other processes, over the buffer service")
+  parser.add_argument("--producer_processes", type=int, default=2)
   args = parser.parse_args()
   kwargs = dict(num_samples=args.samples, group_size=args.group_size,
                 groups_per_version=args.groups_per_version,
                 staleness_threshold=args.staleness_threshold,
                 groups_per_batch=args.groups_per_batch)
+  if args.cross_process:
+    result = run_cross_process(num_producers=args.producer_processes, **kwargs)
+    print(json.dumps({
+        "benchmark": "buffer_throughput", "mode": "cross_process",
+        "transport": "multiprocessing.connection 127.0.0.1, one put_many per group",
+        "producer_processes": args.producer_processes, "samples": args.samples,
+        "group_size": args.group_size, "groups_per_version": args.groups_per_version,
+        "staleness_threshold": args.staleness_threshold,
+        "groups_per_batch": args.groups_per_batch,
+        "samples_per_s": round(result["samples_per_s"]),
+        "latency_ms_p50": round(result["latency_ms_p50"], 4),
+        "latency_ms_p99": round(result["latency_ms_p99"], 4),
+    }))
+    return
   one = run(num_producers=1, **kwargs)
   four = run(num_producers=4, **kwargs)
   print(json.dumps({
