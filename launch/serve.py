@@ -79,7 +79,8 @@ def main(argv=None) -> int:
   try:
     while not stopping.wait(timeout=1.0):
       if not server.driver.alive:
-        print("jaxrl-async serve: the decode driver stopped", file=sys.stderr)
+        print(f"jaxrl-async serve: the decode driver stopped: {server.driver.error!r}",
+              file=sys.stderr)
         return 1
   finally:
     server.stop()

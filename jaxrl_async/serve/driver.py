@@ -78,6 +78,11 @@ class DecodeDriver:
     return self.batcher.max_response_len
 
   @property
+  def error(self) -> BaseException | None:
+    """What stopped the driver, if it failed."""
+    return self._error
+
+  @property
   def alive(self) -> bool:
     return self._thread.is_alive() and not self._stop.is_set()
 
@@ -109,6 +114,8 @@ class DecodeDriver:
                       prompt_tokens=prompt, meta={"index_in_group": member, "stream": stream})
       requests.append(GenerationRequest(sample, key))
     self._incoming.put(requests)
+    if self._stop.is_set():  # stopped while this was queued: the queue may be drained already
+      stream.chunks.put(DriverStopped("the decode driver stopped"))
     return stream
 
   # ---- the thread -------------------------------------------------------------------------
@@ -124,7 +131,7 @@ class DecodeDriver:
       self._error = error
       self._stop.set()
       self._fail_all(error)
-      raise
+      return
     self._fail_all(DriverStopped("the server is shutting down"))
 
   def _admit(self, block: bool) -> None:

@@ -9,6 +9,7 @@ import grpc
 import numpy as np
 import pytest
 
+from jaxrl_async import faults
 from jaxrl_async.model import get_config, init_model, split_model
 from jaxrl_async.rollout.engine import Engine
 from jaxrl_async.rollout.evaluate import evaluate
@@ -206,3 +207,23 @@ def test_evaluation_through_the_server_equals_local_evaluation(policy, greedy_se
   for name in ("eval/accuracy", "eval/reward_mean", "eval/response_len_mean",
                "eval/num_problems"):
     assert served[name] == local[name], name
+
+
+def test_a_failed_engine_step_ends_streams_with_unavailable(policy):
+  """The engine fails at its first step: the stream in flight ends with UNAVAILABLE (not a hang),
+  the health check says not live, and new requests are refused with UNAVAILABLE."""
+  faults.configure("rollout.decode_step=raise@1")
+  try:
+    with PolicyServer(policy, port=0, max_concurrent_decodes=SLOTS, seed=SEED) as server, \
+        grpc.insecure_channel(server.address) as channel:
+      stub = pb_grpc.OrchestratorStub(channel)
+      request = pb.DecodeRequest(token_content=pb.DecodeRequest.TokenContent(
+          token_ids=TASK.problem(0).prompt_tokens.tolist()))
+      code, details = _status(lambda: stub.Decode(request, timeout=60))
+      assert code == grpc.StatusCode.UNAVAILABLE
+      assert "FaultInjected" in details
+      assert not stub.HealthCheck(pb.HealthCheckRequest(), timeout=30).is_live
+      assert _status(lambda: stub.Decode(request, timeout=60))[0] == grpc.StatusCode.UNAVAILABLE
+      assert isinstance(server.driver.error, faults.FaultInjected)
+  finally:
+    faults.configure(None)
