@@ -1,6 +1,7 @@
 """Weight sync MB/s of both channels, tiny and ~100x ('small') model; prints one JSON line.
 
   python benchmarks/sync_bench.py [--repeats 5] [--warmup 1] [--presets tiny small] [--out PATH]
+                                  [--cross_process]
 
 The learner holds its params on devices 0-3 (MeshShape(fsdp=4)), the rollout side fetches onto
 devices 4-7 (MeshShape(fsdp=2, tensor=2)), so every sync changes devices and layout. On a CPU
@@ -12,6 +13,12 @@ Both backends are timed on the same params, alternating, `--warmup` untimed roun
 median of `--repeats` rounds is reported. MB/s = param bytes / median latency (MB = 1e6 bytes).
 For the store, `publish_blocking_s` is how long publish holds the learner and `announce_s` the
 channel's own publish -> announced latency.
+
+`--cross_process` adds the channels between processes: this process publishes (the learner), a
+spawned child (a rollout server, on its own default device) waits for the version, fetches it
+and reports when the params are ready there. One timed sync is publish -> ready in the child,
+for shared memory (`runtime.shm_channel`) and for the orbax store: `<preset>_shm_xproc_*` and
+`<preset>_store_xproc_*`.
 """
 
 from __future__ import annotations
@@ -103,12 +110,83 @@ def bench_preset(name: str, learner_mesh, rollout_mesh, repeats: int, warmup: in
   }
 
 
+def fetch_in_child(kind: str, location: str, preset: str, versions: int, conn) -> None:
+  """In the child: for each version, wait, fetch, block until ready, send (version, time)."""
+  from jaxrl_async.runtime.shm_channel import SharedMemoryWeightChannel
+  _, abstract, _ = model.abstract_params(model.get_config(preset))
+  if kind == "shm":
+    channel = SharedMemoryWeightChannel.attach(location, abstract)
+  else:
+    channel = OrbaxStoreChannel(location, abstract, None)
+  conn.send(("ready", time.time()))
+  try:
+    for version in range(1, versions + 1):
+      if channel.wait_for_version(version - 1, timeout=TIMEOUT_S) < version:
+        raise TimeoutError(f"version {version} not seen within {TIMEOUT_S} s")
+      got, params = channel.fetch()
+      jax.block_until_ready(params)
+      conn.send((got, time.time()))
+  finally:
+    channel.close()
+
+
+def bench_cross_process(name: str, repeats: int, warmup: int) -> dict:
+  import multiprocessing as mp
+
+  from jaxrl_async.runtime import child
+  from jaxrl_async.runtime.shm_channel import SharedMemoryWeightChannel
+  config = model.get_config(name)
+  decoder = model.init_model(config, seed=0)
+  _, params = model.split_model(decoder)
+  _, abstract, _ = model.abstract_params(config)
+  nbytes = tree_bytes(params)
+  out = {}
+  for kind in ("shm", "store"):
+    with tempfile.TemporaryDirectory(prefix=f"sync_bench_{name}_") as directory:
+      if kind == "shm":
+        channel = SharedMemoryWeightChannel.create(abstract)
+        location = channel.name
+      else:
+        channel = OrbaxStoreChannel(directory, abstract, None)
+        location = directory
+      parent, child_end = mp.get_context("spawn").Pipe()
+      reader = child.spawn(f"{fetch_in_child.__module__}:fetch_in_child",
+                           (kind, location, name, warmup + repeats, child_end),
+                           name=f"sync-reader-{kind}")
+      child_end.close()
+      latencies = []
+      try:
+        if not parent.poll(TIMEOUT_S * 2):
+          raise TimeoutError("the reader process did not start")
+        parent.recv()
+        for version in range(1, warmup + repeats + 1):
+          began = time.time()
+          channel.publish(version, params)
+          if not parent.poll(TIMEOUT_S):
+            raise TimeoutError(f"the reader did not fetch version {version}")
+          got, ready_at = parent.recv()
+          if got != version:
+            raise RuntimeError(f"the reader fetched version {got}, expected {version}")
+          if version > warmup:
+            latencies.append(ready_at - began)
+      finally:
+        child.reap(reader)
+        channel.close()
+        parent.close()
+    median = statistics.median(latencies)
+    out[f"{name}_{kind}_xproc_mb_per_s"] = round(nbytes / median / 1e6, 2)
+    out[f"{name}_{kind}_xproc_latency_s"] = round(median, 5)
+  return out
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--warmup", type=int, default=1)
   parser.add_argument("--presets", nargs="+", default=["tiny", "small"])
   parser.add_argument("--out", default=None, help="also write the JSON line to this file")
+  parser.add_argument("--cross_process", action="store_true",
+                      help="also time shared memory and the store between two processes")
   args = parser.parse_args()
   if args.repeats < 1 or args.warmup < 0:
     parser.error(f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats}, {args.warmup}")
@@ -124,6 +202,8 @@ def main() -> None:
   }
   for name in args.presets:
     result.update(bench_preset(name, learner_mesh, rollout_mesh, args.repeats, args.warmup))
+    if args.cross_process:
+      result.update(bench_cross_process(name, args.repeats, args.warmup))
   emit_json_line(result, args.out)
 
 
