@@ -33,7 +33,11 @@ from launch import train
 MODES = ("sync", "on_policy", "stream_off_policy", "async_stale", "async_partial")
 
 
-def run_mode(mode: str, bindings: list[str], run_dir: str) -> dict:
+def run_mode(mode: str, bindings: list[str], run_dir: str, backend: str = "threads") -> dict:
+  """Runs one mode; the async modes on `backend`, sync always in one process (its fastest
+  form: both cores, no process boundary)."""
+  if mode != "sync":
+    bindings = [*bindings, f"RunConfig.backend = '{backend}'"]
   train.load_config([f"gin/modes/{mode}.gin"], bindings)
   config = gin.get_configurable(config_lib.RunConfig)()
   summary = controller.run(config, run_dir, progress=False, log=lambda *a: None)
@@ -96,6 +100,8 @@ def main(argv=None) -> int:
   parser.add_argument("--modes", default=",".join(MODES))
   parser.add_argument("--eval_every_versions", type=int, default=20)
   parser.add_argument("--gin_bindings", action="append", default=[])
+  parser.add_argument("--backend", choices=("threads", "processes"), default="threads",
+                      help="how the async modes run their roles (sync runs in one process)")
   parser.add_argument("--warmup_samples", type=int, default=6400,
                       help="samples per mode run first and discarded (fills the compile cache)")
   parser.add_argument("--out", default=os.path.join(
@@ -112,10 +118,10 @@ def main(argv=None) -> int:
       warmup = [*bindings, f"RunConfig.total_samples = {args.warmup_samples}"]
       for mode in args.modes.split(","):
         print(f"warming up {mode} ...", file=sys.stderr, flush=True)
-        run_mode(mode, warmup, os.path.join(root, f"warmup-{mode}"))
+        run_mode(mode, warmup, os.path.join(root, f"warmup-{mode}"), args.backend)
     for mode in args.modes.split(","):
       print(f"running {mode} ...", file=sys.stderr, flush=True)
-      results[mode] = run_mode(mode, bindings, os.path.join(root, mode))
+      results[mode] = run_mode(mode, bindings, os.path.join(root, mode), args.backend)
   base = results.get("sync")
   table = {}
   for mode, result in results.items():
@@ -142,7 +148,8 @@ def main(argv=None) -> int:
           None if reach is None or not sync_reach else reach / sync_reach)
       row["accuracy_minus_sync"] = row["final_accuracy"] - target
     table[mode] = row
-  line = {"benchmark": "modes", "total_samples": args.total_samples, "seed": args.seed,
+  line = {"benchmark": "modes", "backend": args.backend,
+          "total_samples": args.total_samples, "seed": args.seed,
           "warmup_samples": args.warmup_samples,
           "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "modes": table}
   os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
