@@ -184,6 +184,17 @@ class Fleet:
         totals[f"rollout/{key}"] = totals.get(f"rollout/{key}", 0) + value
     return totals
 
+  def server_timers(self) -> dict[str, float]:
+    """rollout/ and reward/ busy_s (summed) and idle_ratio (the servers' mean), from each
+    server's own role timer at its last heartbeat."""
+    timers = [h["timer"] for h in self.last_health if h.get("timer")]
+    out = {}
+    for role in ("rollout", "reward"):
+      if timers:
+        out[f"{role}/busy_s"] = sum(t[f"{role}/busy_s"] for t in timers)
+        out[f"{role}/idle_ratio"] = sum(t[f"{role}/idle_ratio"] for t in timers) / len(timers)
+    return out
+
   def stop(self, timeout: float = 60.0) -> None:
     """Stops every server (each counts what it aborts as 'shutdown') and reaps them all."""
     with self._lock:

@@ -180,6 +180,7 @@ def _run(parts, run_dir, resume, progress, log, timer, writer, checkpointer, eva
     record.update(buffer.metrics())
     record.update(sync)
     record.update(fleet.rollout_counts())
+    record.update(fleet.server_timers())
     record.update(fleet.counts)
     record["learner/wait_s"] = learner.wait_s
     writer.write(record)
@@ -244,7 +245,7 @@ def _run(parts, run_dir, resume, progress, log, timer, writer, checkpointer, eva
   write_ledger(os.path.join(run_dir, "prompt_ledger.json"), service, consumed_groups)
   parts.state = final_state
   return {**timer.summary(), **last_eval, **buffer.metrics(), **channel.metrics(),
-          **fleet.rollout_counts(), **fleet.counts,
+          **fleet.rollout_counts(), **fleet.server_timers(), **fleet.counts,
           "mode": cfg.mode, "backend": "processes", "num_rollout_servers": fleet.num_servers,
           "rollout_server_restarts": fleet.restarts, "policy_version": learner.version,
           "learner_step": int(final_state.step), "consumed_samples": totals["consumed"],

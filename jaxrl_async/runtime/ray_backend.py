@@ -34,6 +34,7 @@ from jaxrl_async.sync.channel import WeightChannel, tree_bytes
 RPC_MARGIN_S = 30.0
 # Concurrent calls an actor serves: blocked admission or get_groups must not hold up puts.
 ACTOR_CONCURRENCY = 32
+REVOKE_TIMEOUT_S = 120.0  # a dead client's calls still running in the buffer actor end by then
 LOOPBACK = "127.0.0.1"
 
 
@@ -149,7 +150,89 @@ class BufferActorImpl:
     from jaxrl_async.buffer import VersionedBuffer
     from jaxrl_async.runtime.buffer_service import BufferService
 
+    self.group_size = int(buffer_kwargs["group_size"])
     self.service = BufferService(VersionedBuffer(**buffer_kwargs))
+    self._claims = threading.Lock()
+    self._client_ids: dict[int, str] = {}  # rollout server index -> its live client id
+    self._generation: dict[int, int] = {}
+    self._initial: dict[int, dict] = {}  # where each server's shard started
+    self._unresponsive: set[int] = set()
+    self._constructing: set[int] = set()  # servers between claim and ready
+    self._restarts = 0
+    self._reissue_counts = {f"runtime/reissued_{kind}/{reason}": 0
+                            for kind in ("groups", "samples")
+                            for reason in ("actor_restarted", "server_unresponsive")}
+
+  # ---- rollout servers: a new incarnation takes over its predecessor's work ----------------
+  def claim(self, index: int, restore: dict | None, restarted: bool) -> dict[str, Any]:
+    """A client id for rollout server `index` and what it starts from: `restore` (a
+    checkpoint's snapshot, or None) on its first start; after a restart, the groups its
+    predecessor left unfinished (revoked from the dead client, counted) and its prompt shard."""
+    from jaxrl_async.runtime.rollout_server import strip_admission
+
+    with self._claims:
+      self._generation[index] = self._generation.get(index, 0) + 1
+      client_id = f"rollout-{index}-{self._generation[index]}"
+      previous = self._client_ids.get(index)
+      if restarted and previous is not None:
+        reason = "server_unresponsive" if index in self._unresponsive else "actor_restarted"
+        self._unresponsive.discard(index)
+        orphan = self.service.revoke(previous, REVOKE_TIMEOUT_S)
+        inflight = orphan["inflight"]
+        self._reissue_counts[f"runtime/reissued_groups/{reason}"] += len(inflight)
+        self._reissue_counts[f"runtime/reissued_samples/{reason}"] += sum(
+            len(entry["missing"]) for entry in inflight)
+        self._restarts += 1
+        initial = self._initial[index]
+        restore = {"rollout": {"inflight": inflight, "next_group_id": (
+            orphan["next_group_id"] if orphan["next_group_id"] is not None
+            else initial["next_group_id"])},
+                   "prompts": (orphan["prompt_state"] if orphan["prompt_state"] is not None
+                               else initial["prompts"])}
+      else:
+        restore = dict(restore or {})
+        rollout = dict(restore.get("rollout") or {})
+        rollout["inflight"] = strip_admission(rollout.get("inflight", []))
+        restore["rollout"] = rollout
+        self._initial[index] = {"prompts": restore.get("prompts"),
+                                "next_group_id": rollout.get("next_group_id", index)}
+      rollout = restore["rollout"]
+      holding = [entry for entry in rollout.get("inflight", [])
+                 if entry.get("admitted") or entry["missing"] != list(range(self.group_size))]
+      self.service.register(client_id, inflight=holding, prompt_state=restore.get("prompts"),
+                            next_group_id=rollout.get("next_group_id"))
+      self._client_ids[index] = client_id
+      self._constructing.add(index)
+      return {"client_id": client_id, "restore": restore}
+
+  def ready(self, index: int) -> None:
+    """Server `index` has finished starting (its constructor ran to the end)."""
+    with self._claims:
+      self._constructing.discard(index)
+
+  def constructing(self, index: int) -> bool:
+    with self._claims:
+      return index in self._constructing
+
+  def note_unresponsive(self, index: int) -> None:
+    """The driver is about to kill server `index` for silence: its successor counts why."""
+    with self._claims:
+      self._unresponsive.add(index)
+
+  def restarts(self) -> int:
+    with self._claims:
+      return self._restarts
+
+  def reissue_counts(self) -> dict[str, int]:
+    with self._claims:
+      return dict(self._reissue_counts)
+
+  def ledger(self) -> dict[str, Any]:
+    """Every group a server started (group id -> prompt id) and the ones re-issued."""
+    return {"started": dict(self.service.started), "reissued": list(self.service.reissued)}
+
+  def discard_queued(self, reason: str) -> int:
+    return self.service.buffer.discard_queued(reason)
 
   def call(self, client_id: str, method: str, args: tuple, kwargs: dict):
     """One client call, as the service runs it for a connection (unknown clients are
