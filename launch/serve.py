@@ -3,6 +3,10 @@
     jaxrl-async serve --checkpoint runs/sync                  # latest checkpoint, 127.0.0.1:9000
     jaxrl-async serve --checkpoint runs/sync/checkpoints --step 50 --port 0 --temperature 0
     jaxrl-async serve --hf_model path/to/Qwen2.5-0.5B --max_seq_len 2048 --temperature 0
+    jaxrl-async serve --checkpoint runs/sync --port 0 --eval_size 256    # accuracy via gRPC
+
+`--eval_size N` instead evaluates held-out accuracy through the server (N problems of the run's
+task, one streamed request each, as a client would), prints one JSON line and stops.
 
 The run's `config.gin` says which model and task the checkpoint belongs to; a Hugging Face
 directory (config.json, safetensors, tokenizer.json; the `hf` extra) brings its own. The server prints
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util  # noqa: F401  (gin-config 0.5 needs it loaded to resolve file paths)
+import json
 import os
 import signal
 import sys
@@ -42,6 +47,9 @@ def parse_args(argv=None):
   parser.add_argument("--temperature", type=float, default=None,
                       help="sampling temperature (default: the run's; 0 = greedy)")
   parser.add_argument("--seed", type=int, default=0, help="seed of the sampling keys")
+  parser.add_argument("--eval_size", type=int, default=0,
+                      help="with --checkpoint: evaluate this many held-out problems through the "
+                           "server, print the metrics, stop")
   return parser.parse_args(argv)
 
 
@@ -50,7 +58,12 @@ def main(argv=None) -> int:
   from jaxrl_async.rollout.sampling import SamplingConfig
   from jaxrl_async.serve import policy as policy_lib
   from jaxrl_async.serve.server import PolicyServer
+  from jaxrl_async.tasks.reverse import DigitReverseTask
+  task = None
   try:
+    if args.eval_size < 0 or (args.eval_size and args.hf_model):
+      raise ValueError(f"--eval_size must be >= 0 and needs --checkpoint (a run's task), got "
+                       f"{args.eval_size}")
     if args.hf_model:
       sampling = SamplingConfig()
       policy = policy_lib.policy_from_hf(args.hf_model, max_seq_len=args.max_seq_len,
@@ -61,6 +74,7 @@ def main(argv=None) -> int:
       config = gin.get_configurable(config_lib.RunConfig)()
       sampling = config.sampling
       policy = policy_lib.policy_from_checkpoint(config, args.checkpoint, args.step)
+      task = config.task if config.task is not None else DigitReverseTask(config.seed)
     if args.temperature is not None:
       sampling = dataclasses.replace(sampling, temperature=args.temperature)
     server = PolicyServer(policy, host=args.host, port=args.port,
@@ -71,6 +85,8 @@ def main(argv=None) -> int:
     return 2
   finally:
     gin.clear_config()
+  if args.eval_size:
+    return _evaluate(server, task, args.eval_size)
   stopping = threading.Event()
   for signum in (signal.SIGINT, signal.SIGTERM):
     signal.signal(signum, lambda *_: stopping.set())
@@ -84,6 +100,18 @@ def main(argv=None) -> int:
         return 1
   finally:
     server.stop()
+  return 0
+
+
+def _evaluate(server, task, eval_size: int) -> int:
+  import grpc
+
+  from jaxrl_async.serve.client import evaluate_through_server
+  with server:
+    print(f"evaluating {eval_size} held-out problems through {server.address}", flush=True)
+    with grpc.insecure_channel(server.address) as channel:
+      metrics = evaluate_through_server(channel, task, task.eval_set(eval_size))
+  print(json.dumps({"policy_version": server.policy.version, **metrics}), flush=True)
   return 0
 
 

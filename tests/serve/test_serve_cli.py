@@ -2,6 +2,7 @@
 checkpoint's (greedy tokens equal the engine's on the restored params), held-out accuracy
 through the server equals local evaluation, and bad paths fail at start with exit code 2."""
 
+import json
 import os
 import queue
 import signal
@@ -31,13 +32,18 @@ def test_bad_checkpoint_path_exits_2(tmp_path, capsys):
   assert "config.gin" in capsys.readouterr().err
 
 
+def test_eval_size_needs_a_run(tmp_path, capsys):
+  assert serve.main(["--hf_model", str(tmp_path), "--eval_size", "4"]) == 2
+  assert "--eval_size" in capsys.readouterr().err
+
+
 def _read_lines(stream, lines: queue.Queue):
   for line in stream:
     lines.put(line)
 
 
 @pytest.mark.slow
-def test_serve_a_trained_run(tmp_path):
+def test_serve_a_trained_run(tmp_path, capsys):
   run_dir = tmp_path / "run"
   args = ["--gin_file", SYNC_GIN, "--run_dir", str(run_dir), "--no_progress"]
   for binding in TINY_RUN:
@@ -81,6 +87,13 @@ def test_serve_a_trained_run(tmp_path):
     assert local["eval/accuracy"] > 0  # a warm-started policy: the comparison has content
     for name in ("eval/accuracy", "eval/reward_mean", "eval/response_len_mean"):
       assert served[name] == local[name], name
+    # The same evaluation as one command: a server of its own, metrics as one JSON line.
+    assert serve.main(["--checkpoint", str(run_dir), "--port", "0", "--temperature", "0",
+                       "--max_concurrent_decodes", "8", "--eval_size", "32"]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["policy_version"] == 2
+    for name in ("eval/accuracy", "eval/reward_mean", "eval/response_len_mean"):
+      assert printed[name] == local[name], name
   finally:
     proc.send_signal(signal.SIGTERM)
     try:
