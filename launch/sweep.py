@@ -210,8 +210,7 @@ def summary_rows(trials: list[Trial]) -> list[dict]:
     row = {"trial": trial.name, "status": status_of(trial.run_dir), "run_dir": trial.run_dir,
            "bindings": trial.trial, "process_s": read_state(trial.run_dir).get("process_s")}
     if os.path.isfile(os.path.join(trial.run_dir, "metrics.jsonl")):
-      row.update({k: v for k, v in report.load_run(trial.run_dir).table_row().items()
-                  if k in dict(COLUMNS)})
+      row.update(report.load_run(trial.run_dir).table_row())
     rows.append(row)
   return rows
 
