@@ -154,8 +154,8 @@ def test_a_missing_process_fails_with_an_error_not_a_hang(tmp_path):
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "",
          "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
          "JAX_PROCESS_ID": "0"}
-  with open(tmp_path / "alone.log", "w") as log:
-    proc = subprocess.Popen([sys.executable, "-m", "launch.learner_check", "--init_timeout_s", "5"],
-                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    codes = _reap([(proc, open(os.devnull, "w"))], timeout_s=120)  # noqa: SIM115
+  log = open(tmp_path / "alone.log", "w")  # noqa: SIM115 (closed by _reap)
+  proc = subprocess.Popen([sys.executable, "-m", "launch.learner_check", "--init_timeout_s", "5"],
+                          cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+  codes = _reap([(proc, log)], timeout_s=120)
   assert codes[0] != 0
