@@ -149,6 +149,8 @@ def test_resume_gives_each_server_its_shard_back(tmp_path):
   first = small_config(4, num_rollout_servers=2, checkpoint_every_versions=2)
   summary = controller.run(first, str(tmp_path), progress=False, log=quiet)
   assert summary["policy_version"] == 4
+  with open(tmp_path / "prompt_ledger.json", encoding="utf-8") as f:
+    before = json.load(f)
   longer = small_config(6, num_rollout_servers=2, checkpoint_every_versions=2)
   logs = []
   resumed = controller.run(longer, str(tmp_path), resume=True, progress=False,
@@ -156,6 +158,14 @@ def test_resume_gives_each_server_its_shard_back(tmp_path):
   assert any("policy_version 4" in line for line in logs)
   assert resumed["policy_version"] == 6
   assert resumed["consumed_samples"] == longer.total_samples
+  with open(tmp_path / "prompt_ledger.json", encoding="utf-8") as f:
+    after = json.load(f)
+  # Nothing consumed before the checkpoint is consumed again; queued and in-flight groups at
+  # the checkpoint are consumed once after it; no prompt is drawn twice.
+  consumed = [tuple(p) for p in before["consumed"] + after["consumed"]]
+  assert len(consumed) * GROUP_SIZE == longer.total_samples
+  assert len({g for g, _ in consumed}) == len(consumed)
+  assert len({p for _, p in consumed}) == len(consumed)
   with pytest.raises(ValueError, match="num_rollout_servers"):
     controller.run(small_config(8, num_rollout_servers=1), str(tmp_path), resume=True,
                    progress=False, log=quiet)

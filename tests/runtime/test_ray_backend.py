@@ -7,12 +7,20 @@ the learner node are fetched on the rollout node onto its devices; and a rollout
 with SIGKILL is restarted by Ray, its groups in flight re-issued exactly once and counted.
 """
 
+import json
 import os
 import signal
+import threading
 import time
 
 import numpy as np
 import pytest
+
+import gin
+from jaxrl_async import config as config_lib
+from jaxrl_async import controller
+from jaxrl_async.metrics import read_jsonl
+from launch import train
 
 # The local cluster stays on the loopback interface only when Ray reads this at import.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
@@ -21,6 +29,12 @@ ray = pytest.importorskip("ray")
 from jaxrl_async.runtime import ray_backend  # noqa: E402
 from tests.buffer.factory import make_group  # noqa: E402
 from tests.runtime import test_buffer_contract as contract  # noqa: E402
+from tests.runtime import test_processes_backend as processes_tests  # noqa: E402
+
+
+def quiet(*args, **kwargs):
+  del args, kwargs
+
 
 CALL_S = 120.0  # generous: actors start (and import JAX) on a loaded 2-core machine
 
@@ -239,3 +253,74 @@ def test_a_killed_rollout_actor_is_restarted_and_its_groups_reissued_once(cluste
   ray.get(buffer.check_invariants.remote(), timeout=CALL_S)
   for actor in (writer, buffer):
     ray.kill(actor)
+
+
+# ---- whole runs: the learner in the driver (learner node), rollout servers as actors -----------
+RAY_PLACEMENT = dict(backend="ray", ray_learner_resource="learner",
+                     ray_rollout_resource="rollout")
+
+
+def run_in_thread(config, run_dir, outcome):
+  def body():
+    try:
+      outcome["summary"] = controller.run(config, str(run_dir), progress=False, log=quiet)
+    except BaseException as error:  # raised in the test
+      outcome["error"] = error
+
+  runner = threading.Thread(target=body, name="ray-run", daemon=True)
+  runner.start()
+  return runner
+
+
+@pytest.mark.slow
+def test_the_default_task_trains_with_rollout_servers_as_ray_actors(cluster, tmp_path):
+  """The README's default run (gin/modes/async_partial.gin) with backend='ray', the rollout
+  actor on the rollout node and the learner (driver), buffer and weights on the learner node."""
+  del cluster
+  train.load_config(["gin/modes/async_partial.gin"], [
+      "RunConfig.backend = 'ray'", "RunConfig.ray_learner_resource = 'learner'",
+      "RunConfig.ray_rollout_resource = 'rollout'", "RunConfig.eval_every_versions = 200"])
+  try:
+    config = gin.get_configurable(config_lib.RunConfig)()
+  finally:
+    gin.clear_config()
+  summary = controller.run(config, str(tmp_path), progress=False, log=quiet)
+  assert summary["backend"] == "ray"
+  assert summary["ray/rollout_nodes"] == [node_with("rollout")]
+  assert summary["ray/driver_node"] == node_with("learner")
+  assert summary["policy_version"] == config.num_versions
+  assert summary["eval/accuracy"] >= 0.85
+  records = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "algo/version_gap_max" in r]
+  assert max(r["algo/version_gap_max"] for r in records) <= config.max_version_gap
+  dropped = sum(v for k, v in summary.items() if k.startswith("queue/dropped/"))
+  assert summary["queue/put"] == summary["queue/consumed"] + dropped
+
+
+@pytest.mark.slow
+def test_a_killed_rollout_actor_mid_run_loses_and_duplicates_no_prompt(cluster, tmp_path):
+  del cluster
+  config = processes_tests.small_config(12, **RAY_PLACEMENT)
+  outcome = {}
+  runner = run_in_thread(config, tmp_path, outcome)
+  deadline = time.monotonic() + processes_tests.RUN_TIMEOUT_S
+  while processes_tests.versions_done(tmp_path) < 3:
+    assert runner.is_alive(), f"the run ended before version 3: {outcome}"
+    assert time.monotonic() < deadline, "the run did not reach version 3"
+    time.sleep(0.05)
+  victim = processes_tests.server_pids(tmp_path)[0]
+  os.kill(victim, signal.SIGKILL)
+  runner.join(processes_tests.RUN_TIMEOUT_S)
+  assert not runner.is_alive(), "the run did not finish after the kill"
+  if "error" in outcome:
+    raise outcome["error"]
+  summary = outcome["summary"]
+  with open(tmp_path / "prompt_ledger.json", encoding="utf-8") as f:
+    ledger = json.load(f)
+  assert summary["policy_version"] == 12
+  assert summary["rollout_server_restarts"] == 1
+  reissued = summary["runtime/reissued_groups/actor_restarted"]
+  assert reissued == len(ledger["reissued"]) > 0
+  assert summary["runtime/reissued_groups/server_unresponsive"] == 0
+  # Each prompt id consumed once or dropped once under its reason, never both, never twice.
+  processes_tests.check_ledger(summary, ledger, config)
+  assert victim not in processes_tests.server_pids(tmp_path)
