@@ -4,7 +4,9 @@
 
 Prints one JSON line (per mode: final accuracy, samples/s, idle ratios, version gap, stale and
 partial ratios, time to reach sync's final accuracy; and the ratios against sync) and writes
-<out>.json and <out>.png (accuracy against wall-clock for every mode; samples/s and idle ratios).
+<out>.json, the run report of every mode in <out>-report/ (`jaxrl-async report`: index.html and
+its figures) and <out>.png, the report's overview (accuracy against wall-clock for every mode;
+samples/s and idle ratios).
 Each mode runs from its gin file in gin/modes/, so the benchmark measures what users run.
 
 Compilation is kept out of the comparison: XLA's persistent compilation cache is on
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -25,7 +28,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gin
-from jaxrl_async import compilation_cache, controller
+from jaxrl_async import compilation_cache, controller, report
 from jaxrl_async import config as config_lib
 from jaxrl_async.metrics import read_jsonl
 from launch import train
@@ -61,36 +64,14 @@ def time_to_reach(curve, target: float) -> float | None:
   return None
 
 
-def plot(results: dict, path: str) -> None:
+def draw(run_dirs: dict, out: str) -> None:
+  """Every mode's run report in <out>-report/ (jaxrl_async.report); its overview as <out>.png."""
   try:
-    import matplotlib
-  except ImportError:
-    print(f"no plot: matplotlib is not installed (pip install -e '.[plot]'); {path} not written",
-          file=sys.stderr)
+    paths = report.write_report(list(run_dirs.values()), out + "-report", names=list(run_dirs))
+  except ImportError as error:
+    print(f"no plot: {error}; {out}.png not written", file=sys.stderr)
     return
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-  for mode, result in results.items():
-    times, _, accuracy = zip(*result["curve"])
-    axes[0].plot(times, accuracy, marker=".", label=mode)
-  axes[0].set(xlabel="wall-clock s (eval excluded)", ylabel="held-out accuracy",
-              title="accuracy vs wall-clock")
-  axes[0].legend()
-  modes = list(results)
-  axes[1].bar(modes, [results[m]["summary"]["system/samples_per_s"] for m in modes])
-  axes[1].set(title="samples/s", ylabel="samples/s")
-  width = 0.2
-  for i, role in enumerate(("rollout", "reward", "learner", "sync")):
-    axes[2].bar([j + i * width for j in range(len(modes))],
-                [results[m]["summary"][f"{role}/idle_ratio"] for m in modes], width, label=role)
-  axes[2].set_xticks([j + 1.5 * width for j in range(len(modes))], modes)
-  axes[2].set(title="idle ratio per role", ylim=(0, 1))
-  axes[2].legend()
-  for ax in axes[1:]:
-    ax.tick_params(axis="x", rotation=30)
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
+  shutil.copyfile(paths["overview"], out + ".png")
 
 
 def main(argv=None) -> int:
@@ -122,6 +103,8 @@ def main(argv=None) -> int:
     for mode in args.modes.split(","):
       print(f"running {mode} ...", file=sys.stderr, flush=True)
       results[mode] = run_mode(mode, bindings, os.path.join(root, mode), args.backend)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    draw({mode: os.path.join(root, mode) for mode in results}, args.out)
   base = results.get("sync")
   table = {}
   for mode, result in results.items():
@@ -155,7 +138,6 @@ def main(argv=None) -> int:
   os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
   with open(args.out + ".json", "w", encoding="utf-8") as f:
     json.dump({**line, "curves": {m: r["curve"] for m, r in results.items()}}, f, indent=1)
-  plot(results, args.out + ".png")
   print(json.dumps(line))
   return 0
 

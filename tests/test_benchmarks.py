@@ -59,6 +59,10 @@ def test_modes_runs_each_mode_and_compares_with_sync(tmp_path, monkeypatch):
     assert 0.0 <= row["final_accuracy"] <= 1.0 and row["samples_per_s"] > 0
   assert result["modes"]["sync"]["version_gap_max"] == 0
   assert (tmp_path / "modes.png").is_file()
+  with open(tmp_path / "modes-report" / "index.html", encoding="utf-8") as f:
+    page = f.read()
+  assert "<th>sync</th>" in page and "<th>async_partial</th>" in page
+  assert (tmp_path / "modes-report" / "timeline.png").is_file()
 
 
 @pytest.mark.slow
