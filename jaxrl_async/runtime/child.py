@@ -4,7 +4,8 @@ their parent, and always reaped.
 
 The thread counts are environment variables read when numpy and XLA load, so they are set in
 the environment the child is started with; the core affinity is set first thing in the child.
-This module imports neither numpy nor jax.
+A child gets SIGKILL when the thread that spawned it ends (PR_SET_PDEATHSIG follows the thread),
+so spawn from a thread that outlives the child. This module imports neither numpy nor jax.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ run with that error: restarting it would only repeat it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import threading
@@ -23,6 +24,7 @@ from jaxrl_async.runtime.rollout_server import RolloutProcess, strip_admission
 
 REISSUE_REASONS = ("server_died", "server_unresponsive")
 REVOKE_TIMEOUT_S = 120.0
+SPAWN_TIMEOUT_S = 600.0
 
 
 class RolloutServerFailed(RuntimeError):
@@ -56,6 +58,9 @@ class Fleet:
       self.counts[f"runtime/reissued_samples/{reason}"] = 0
     self.final_counts: list[dict] = []  # counts of servers that ended (stopped or replaced)
     self.last_health: list[dict] = [{}] * self.num_servers
+    # Children die with the thread that spawned them (child.py): one thread spawns them all and
+    # lives until `stop`, whichever thread asks for a replacement.
+    self._spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fleet-spawner")
 
   # ---- lifecycle ------------------------------------------------------------------------------
   def start(self, restores: list[dict | None]) -> None:
@@ -81,7 +86,8 @@ class Fleet:
     buffer = RemoteBufferClient(self.service.address, self.service.authkey, client_id)
     spec = {"config": self.config, "server_index": index, "num_servers": self.num_servers,
             "buffer": buffer, "channel": self.channel_spec, "restore": restore}
-    server = RolloutProcess(spec, cores=self.cores[index], name=f"rollout-server-{index}")
+    server = self._spawner.submit(RolloutProcess, spec, cores=self.cores[index],
+                                  name=f"rollout-server-{index}").result(SPAWN_TIMEOUT_S)
     self.servers[index], self.client_ids[index] = server, client_id
     self._write_status()
     server.start(self.heartbeat_timeout_s)
@@ -208,3 +214,4 @@ class Fleet:
           self.log(f"rollout server {index} did not stop cleanly ({error!r}): killed")
         finally:
           server.kill()
+      self._spawner.shutdown(wait=True)
