@@ -74,6 +74,8 @@ class BufferClient(abc.ABC):
     describes the groups in the order they would start (`{'problem', 'group_id', 'missing',
     'prompt_state', 'next_group_id'}`): a remote buffer records the admitted ones in the same
     call, so a rollout server that dies holds no admission nobody knows about.
+    `holding_version` is the weights version the caller generates with (informational: a
+    remote buffer opens a window only once every server holds its version).
     """
 
   @abc.abstractmethod
