@@ -40,9 +40,8 @@ def _summary(run_dir):
 
 
 def _saved_run_state(run_dir, step):
-  directory = os.path.join(run_dir, "checkpoints", str(step), "run")
-  (name,) = [n for n in os.listdir(directory) if not n.startswith("_")]
-  with open(os.path.join(directory, name), encoding="utf-8") as f:
+  path = os.path.join(run_dir, "checkpoints", str(step), "run", "metadata")  # orbax JsonSave
+  with open(path, encoding="utf-8") as f:
     return json.load(f)
 
 
