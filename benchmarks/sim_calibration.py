@@ -10,10 +10,11 @@ run's metrics.jsonl (`jaxrl-async simulate --profile_from`); simulates every mod
 profile and the mode's own knobs; prints predicted and measured samples/s and the error.
 `--reuse` skips the runs and reads the run directories of an earlier call.
 
-The async modes run their roles as threads of one process here; the simulator models that
-as roles sharing one host with contention c (k roles computing at once each run at
-1 / (1 + c (k - 1)) speed), with c from benchmarks/concurrency_ceiling.py's measured speedup
-of the two role loops in threads: c = 2 / speedup - 1 (newest result file, or --contention).
+The async modes run their roles on `--backend` (default: separate processes; 'threads': one
+process). The simulator models the roles as sharing one host with contention c (k roles
+computing at once each run at 1 / (1 + c (k - 1)) speed), with c = 2 / speedup - 1 from
+benchmarks/concurrency_ceiling.py's newest result: two XLA processes at once (processes) or
+the two role loops in threads (threads); or --contention.
 """
 
 from __future__ import annotations
@@ -36,13 +37,16 @@ from jaxrl_async.sim.command import mode_configs
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def default_contention() -> tuple[float, str]:
+def default_contention(backend: str) -> tuple[float, str]:
+  """Threads: the role loops in threads; processes: two XLA processes at once."""
   files = sorted(glob.glob(os.path.join(RESULTS, "concurrency_ceiling-*.json")))
   if not files:
     return 0.0, "no concurrency_ceiling result: contention 0"
+  key = "roles" if backend == "threads" else "xla_processes"
   with open(files[-1], encoding="utf-8") as f:
-    speedup = json.loads(f.readline())["roles"]["speedup"]
-  return max(0.0, 2.0 / speedup - 1.0), f"{os.path.basename(files[-1])}: roles speedup {speedup:.3f}"
+    speedup = json.loads(f.readline())[key]["speedup"]
+  return (max(0.0, 2.0 / speedup - 1.0),
+          f"{os.path.basename(files[-1])}: {key} speedup {speedup:.3f}")
 
 
 def main(argv=None) -> int:
@@ -54,6 +58,8 @@ def main(argv=None) -> int:
   parser.add_argument("--work_dir", default=os.path.join("runs", "sim_calibration"))
   parser.add_argument("--reuse", action="store_true", help="use the run directories there")
   parser.add_argument("--contention", type=float, default=None)
+  parser.add_argument("--backend", choices=("threads", "processes"), default="processes",
+                      help="where the async modes run their roles (sync: one process)")
   parser.add_argument("--gin_bindings", action="append", default=[])
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
@@ -63,23 +69,31 @@ def main(argv=None) -> int:
   bindings = [f"RunConfig.total_samples = {args.total_samples}", f"RunConfig.seed = {args.seed}",
               "RunConfig.eval_every_versions = 25",
               "RunConfig.checkpoint_every_versions = 1000000", *args.gin_bindings]
-  load_before = os.getloadavg()
+  load_path = os.path.join(args.work_dir, "load_average.json")
   measured = {}
   if not args.reuse:
+    load_before = os.getloadavg()[0]
     compilation_cache.enable()
     for mode in modes:
       if args.warmup_samples:
         print(f"warming up {mode} ...", file=sys.stderr, flush=True)
         warm = os.path.join(args.work_dir, f"warmup-{mode}")
         modes_benchmark.run_mode(mode, [*bindings, f"RunConfig.total_samples = "
-                                        f"{args.warmup_samples}"], warm)
+                                        f"{args.warmup_samples}"], warm, args.backend)
       print(f"running {mode} ...", file=sys.stderr, flush=True)
-      modes_benchmark.run_mode(mode, bindings, os.path.join(args.work_dir, mode))
+      modes_benchmark.run_mode(mode, bindings, os.path.join(args.work_dir, mode), args.backend)
+    with open(load_path, "w", encoding="utf-8") as f:
+      json.dump({"before": load_before, "after": os.getloadavg()[0]}, f)
+  runs_load = None
+  if os.path.isfile(load_path):
+    with open(load_path, encoding="utf-8") as f:
+      runs_load = json.load(f)
   for mode in modes:
     with open(os.path.join(args.work_dir, mode, "summary.json"), encoding="utf-8") as f:
       measured[mode] = json.load(f)["system/samples_per_s"]
   contention, contention_source = ((args.contention, "--contention")
-                                   if args.contention is not None else default_contention())
+                                   if args.contention is not None
+                                   else default_contention(args.backend))
   profile = fit.profile_from_run(os.path.join(args.work_dir, "sync"), seed=args.seed)
   configs = mode_configs(modes, bindings)
   table = {}
@@ -98,10 +112,11 @@ def main(argv=None) -> int:
                    "predicted_learner_idle_ratio": summary["learner/idle_ratio"],
                    "predicted_stale_ratio": summary["algo/stale_ratio"],
                    "predicted_version_gap_max": summary["algo/version_gap_max"]}
-  line = {"benchmark": "sim_calibration", "total_samples": args.total_samples,
+  line = {"benchmark": "sim_calibration", "backend": args.backend,
+          "total_samples": args.total_samples,
           "warmup_samples": args.warmup_samples, "seed": args.seed,
           "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
-          "load_average_before": load_before[0], "load_average_after": os.getloadavg()[0],
+          "runs_load_average": runs_load,
           "contention": contention, "contention_source": contention_source,
           "profile": profile.to_dict(), "modes": table}
   if args.out:

@@ -15,8 +15,8 @@ role) and its operative `config.gin`, and fits:
   bookkeeping), from a sync run; startup_s: the time before the fitted versions that they do
   not account for (tracing, compilation).
 
-If the run directory has `spans.jsonl` (one object per busy interval: role, start_s, end_s),
-the role busy totals are taken from it instead of the cumulative counters.
+If the run directory has `spans.jsonl` (the roles' busy intervals on the run's clock) reaching
+back to the fitted versions, the role busy totals come from it instead of the counters.
 The first `skip_versions` versions are left out (compilation, warm-up).
 """
 
@@ -41,6 +41,7 @@ from jaxrl_async.sim.profile import (
   SyncCost,
 )
 from jaxrl_async.sim.simulator import simulate
+from jaxrl_async.sinks import SPANS_FILE, read_spans
 
 _KNOBS = ("mode", "group_size", "mini_batch_size", "require_batches",
           "trigger_parameter_sync_step", "max_concurrent_decodes", "staleness_threshold",
@@ -94,14 +95,17 @@ def geometric_ratio(mean: float, low: int, high: int) -> float:
   return math.sqrt(lo * hi)
 
 
-def _span_totals(path: str) -> dict[str, float]:
+def span_totals(path: str, begin_s: float, end_s: float) -> dict[str, float] | None:
+  """Busy seconds per role inside [begin_s, end_s] of the run's clock, from the recorded busy
+  spans; None if the spans (the latest ones are kept) do not reach back to begin_s."""
+  spans = read_spans(path)
+  if not spans or min(start for _, start, _ in spans) > begin_s:
+    return None
   totals: dict[str, float] = {}
-  for span in read_jsonl(path):
-    role = span.get("role")
-    start, end = span.get("start_s"), span.get("end_s")
-    if role is None or start is None or end is None:
-      continue
-    totals[role] = totals.get(role, 0.0) + float(end) - float(start)
+  for role, start, end in spans:
+    overlap = min(end, end_s) - max(start, begin_s)
+    if overlap > 0:
+      totals[role] = totals.get(role, 0.0) + overlap
   return totals
 
 
@@ -124,11 +128,11 @@ def profile_from_run(run_dir: str, *, skip_versions: int = 2, seed: int = 0,
   tokens = tokens_at[-1] - tokens_at[skip_versions]
   busy = {role: last[f"{role}/busy_s"] - first[f"{role}/busy_s"]
           for role in ("rollout", "reward", "learner", "sync")}
-  spans = os.path.join(run_dir, "spans.jsonl")
-  if os.path.isfile(spans):
-    totals = _span_totals(spans)
-    scale = versions / max(last["policy_version"], 1)  # spans cover the whole run
-    busy.update({role: totals[role] * scale for role in busy if role in totals})
+  spans_path = os.path.join(run_dir, SPANS_FILE)
+  totals = (span_totals(spans_path, first["time_s"], last["time_s"])
+            if os.path.isfile(spans_path) else None)
+  if totals:
+    busy.update({role: totals[role] for role in busy if role in totals})
   group_size = int(knobs.get("group_size", 8))
   slots = int(knobs.get("max_concurrent_decodes", 64))
   mean_tokens = tokens / samples
@@ -149,7 +153,7 @@ def profile_from_run(run_dir: str, *, skip_versions: int = 2, seed: int = 0,
   overhead = max(0.0, (wall - sum(busy.values())) / versions) if knobs.get(
       "mode", "sync") == "sync" else 0.0
   startup = max(0.0, first["time_s"] - first["policy_version"] * wall / versions)
-  notes = (f"fitted from {path}: versions {first['policy_version']}..{last['policy_version']}, "
+  notes = (f"fitted from {path}{' and its busy spans' if totals else ''}: versions {first['policy_version']}..{last['policy_version']}, "
            f"{samples} samples, {tokens:.0f} response tokens, wall {wall:.3f} s, busy "
            + ", ".join(f"{k} {v:.3f} s" for k, v in busy.items()),)
   base = Profile(name=name or f"fit:{os.path.basename(os.path.normpath(run_dir))}",

@@ -97,8 +97,9 @@ class Recorder:
     self.updates += math.ceil(len(groups) / self.config.groups_per_update) if groups else 0
     staleness = staleness_metrics(groups, version - 1)
     if samples:
-      gaps = (version - 1) - np.concatenate([s.token_versions for s in samples])
-      hist = np.bincount(gaps)
+      counts = staleness.get("algo/version_gap_counts")  # the real metric, where it exists
+      hist = (np.asarray(counts, np.int64) if counts is not None else np.bincount(
+          (version - 1) - np.concatenate([s.token_versions for s in samples])))
       if hist.size > self.gap_hist.size:
         hist[:self.gap_hist.size] += self.gap_hist
         self.gap_hist = hist
@@ -227,6 +228,7 @@ def summarise(recorder: Recorder, config: RunConfig, profile: Profile, counts: d
       "algo/max_partial_span": float(recorder.max_span),
       "algo/version_gap_hist": {str(g): float(hist[g] / entries) for g in range(hist.size)
                                 if hist[g]} if entries else {},
+      "algo/version_gap_counts": [int(c) for c in hist],
       "knobs": {"staleness_threshold": config.staleness_threshold,
                 "trigger_parameter_sync_step": config.trigger_parameter_sync_step,
                 "require_batches": config.require_batches,

@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 
+from jaxrl_async import cli
 from jaxrl_async.config import RunConfig
 from jaxrl_async.sim import command, fit, profile_from_dict, published, simulate, sweep
 from jaxrl_async.sim.profile import LengthModel
@@ -81,9 +82,9 @@ def test_simulate_command_writes_real_run_metrics(tmp_path, capsys):
   path = tmp_path / "profile.json"
   path.write_text(json.dumps(PROFILE))
   out = tmp_path / "sim"
-  assert command.main(["--profile", str(path), "--modes", "sync,async_stale",
-                       "--num_versions", "6", "--gin_bindings", "RunConfig.group_size = 4",
-                       "--out", str(out)]) == 0
+  assert cli.main(["simulate", "--profile", str(path), "--modes", "sync,async_stale",
+                   "--num_versions", "6", "--gin_bindings", "RunConfig.group_size = 4",
+                   "--out", str(out)]) == 0
   line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
   assert line["modes"]["sync"]["speedup_vs_sync"] == 1.0
   assert line["modes"]["async_stale"]["algo/version_gap_max"] <= 2
@@ -91,3 +92,12 @@ def test_simulate_command_writes_real_run_metrics(tmp_path, capsys):
   assert [r["policy_version"] for r in records] == list(range(1, 7))
   assert np.isfinite(records[-1]["system/samples_per_s"])
   assert command.main(["--profile", str(path), "--modes", "bogus"]) == 2
+
+
+def test_span_totals_clip_to_the_fitted_window(tmp_path):
+  path = tmp_path / "spans.jsonl"
+  rows = [("rollout", 0.0, 2.0), ("learner", 2.0, 5.0), ("rollout", 5.0, 6.0)]
+  path.write_text("".join(json.dumps({"role": r, "start": a, "end": b}) + "\n"
+                          for r, a, b in rows))
+  assert fit.span_totals(str(path), 1.0, 5.5) == {"rollout": 1.5, "learner": 3.0}
+  assert fit.span_totals(str(path), -1.0, 5.5) is None  # spans start after the window
