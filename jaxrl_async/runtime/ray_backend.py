@@ -34,6 +34,8 @@ from jaxrl_async.sync.channel import WeightChannel, tree_bytes
 RPC_MARGIN_S = 30.0
 # Concurrent calls an actor serves: blocked admission or get_groups must not hold up puts.
 ACTOR_CONCURRENCY = 32
+ACQUIRE_BACKOFF_S = 0.01  # after no admission, zero-wait asks wait this long for a new call
+WATCH_S = 1.0  # one long-polling wait on the weight store lasts at most this long
 REVOKE_TIMEOUT_S = 120.0  # a dead client's calls still running in the buffer actor end by then
 LOOPBACK = "127.0.0.1"
 
@@ -278,6 +280,8 @@ class RayBufferClient(BufferClient):
     self.actor = actor
     self.client_id = str(client_id)
     self.margin_s = margin_s
+    self._empty: tuple | None = None  # (holding_version,) of the last empty zero-wait answer
+    self._empty_until = 0.0
 
   def _call(self, method: str, *args, timeout: float | None = None, **kwargs):
     ray = require_ray()
@@ -289,13 +293,25 @@ class RayBufferClient(BufferClient):
       raise TimeoutError(f"buffer actor: {method} did not answer within {wait_s:.3g} s") from error
 
   def put_many(self, samples, timeout):
+    self._empty = None  # a put can complete or drop a group, which frees admission
     self._call("put_many", list(samples), timeout, timeout=timeout)
 
   def acquire_group_slots(self, max_count, timeout, *, starts=None, holding_version=None):
-    return self._call("acquire_group_slots", max_count, timeout, starts=starts,
-                      holding_version=holding_version, timeout=timeout)
+    # A rollout server asks (timeout 0) between decode steps; after an empty answer it asks
+    # the actor again only after ACQUIRE_BACKOFF_S or with new weights, not at every step.
+    now = time.monotonic()
+    if timeout == 0 and self._empty == (holding_version, ) and now < self._empty_until:
+      return 0
+    count = self._call("acquire_group_slots", max_count, timeout, starts=starts,
+                       holding_version=holding_version, timeout=timeout)
+    if count == 0 and timeout == 0:
+      self._empty, self._empty_until = (holding_version, ), now + ACQUIRE_BACKOFF_S
+    else:
+      self._empty = None
+    return count
 
   def publish_version(self, version):
+    self._empty = None
     self._call("publish_version", version)
 
   def get_groups(self, num_groups, learner_version, timeout):
@@ -367,6 +383,10 @@ class RayWeightChannel(WeightChannel):
     self.margin_s = margin_s
     self._fetched: tuple[int, Any] | None = None
     self._refs: list = []  # this publisher's last versions stay alive while readers fetch them
+    self._remote = -1  # the newest version the store has announced, as last seen here
+    self._closed = threading.Event()
+    self._watcher: threading.Thread | None = None
+    self._watch_error: BaseException | None = None
 
   def __getstate__(self):
     return {"store": self.store, "logical_axes": self.logical_axes, "margin_s": self.margin_s}
@@ -388,14 +408,51 @@ class RayWeightChannel(WeightChannel):
     self._get(self.store.publish.remote(int(version), [ref]))
     self._refs = (self._refs + [ref])[-2:]
     self._announce(version, time.perf_counter() - began, tree_bytes(host))
+    self._seen_version(int(version))
+
+  # The rollout side asks for the latest version between decode steps: one long-polling call
+  # to the store (in a named thread) keeps a local copy, so asking costs no Ray call.
+  def _seen_version(self, version: int) -> None:
+    with self._cond:
+      if version > self._remote:
+        self._remote = version
+        self._cond.notify_all()
+
+  def _watch(self) -> None:
+    while not self._closed.is_set():
+      with self._cond:
+        seen = self._remote
+      try:
+        self._seen_version(int(self._get(self.store.wait.remote(seen, WATCH_S), WATCH_S)))
+      except Exception as error:  # the store is gone (end of run): readers see the last one
+        self._watch_error = error
+        self._closed.wait(WATCH_S)
+
+  def _ensure_watcher(self) -> None:
+    if self._watcher is None:
+      self._seen_version(int(self._get(self.store.latest.remote())))
+      self._watcher = threading.Thread(target=self._watch, name="ray-weights-watch",
+                                       daemon=True)
+      self._watcher.start()
 
   def latest_version(self) -> int:
-    return int(self._get(self.store.latest.remote()))
+    self._ensure_watcher()
+    with self._cond:
+      return self._remote
 
   def wait_for_version(self, newer_than: int, timeout: float) -> int:
     if not timeout > 0:
       raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
-    return int(self._get(self.store.wait.remote(int(newer_than), float(timeout)), timeout))
+    self._ensure_watcher()
+    with self._cond:
+      self._cond.wait_for(lambda: self._remote > newer_than, timeout=timeout)
+      return self._remote
+
+  def close(self) -> None:
+    self._closed.set()
+    if self._watcher is not None:
+      self._watcher.join(WATCH_S + self.margin_s)
+      self._watcher = None
 
   def fetch(self):
     version, boxed = self._get(self.store.get.remote())

@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from jaxrl_async.runtime import ray_backend
+from jaxrl_async.runtime.fleet import Fleet
 from jaxrl_async.runtime.ray_backend import RayBufferClient, RayWeightChannel, require_ray
 
 REISSUE_REASONS = ("actor_restarted", "server_unresponsive")
@@ -83,6 +84,7 @@ class RayFleet:
     # A server may be silent this long (a restart by Ray included) before it is killed.
     self.silence_limit_s = max(3 * self.heartbeat_timeout_s, SILENCE_MIN_S)
     self._last_answer = [time.monotonic()] * self.num_servers
+    self._constructor_args: list[list] = []
 
   @property
   def restarts(self) -> int:
@@ -103,8 +105,11 @@ class RayFleet:
           node_resource=cfg.ray_rollout_resource, num_cpus=cfg.ray_rollout_cpus,
           num_gpus=cfg.ray_rollout_gpus, max_restarts=MAX_RESTARTS, max_concurrency=4,
           env=ray_backend.thread_env(max(1, int(cfg.ray_rollout_cpus))))
-      self.actors[index] = cls.options(name=None, **options).remote(
-          cfg, index, self.num_servers, self.buffer_actor, self.store, restore)
+      # The constructor's arguments stay referenced here: Ray needs them to restart the actor.
+      args = [self.ray.put(cfg), index, self.num_servers, self.buffer_actor, self.store,
+              self.ray.put(restore)]
+      self._constructor_args.append(args)
+      self.actors[index] = cls.options(**options).remote(*args)
     for index in range(self.num_servers):
       self._call(index, "start", RESTART_WAIT_S)
     self.check()
@@ -178,12 +183,9 @@ class RayFleet:
   def snapshots(self, timeout: float = 30.0) -> list[dict]:
     return self._each("snapshot", timeout)
 
-  def rollout_counts(self) -> dict[str, float]:
-    totals: dict[str, float] = {}
-    for counts in self.final_counts + [h.get("counts", {}) for h in self.last_health]:
-      for key, value in counts.items():
-        totals[f"rollout/{key}"] = totals.get(f"rollout/{key}", 0) + value
-    return totals
+  # Sums over the servers' last heartbeats, as for server processes.
+  rollout_counts = Fleet.rollout_counts
+  server_timers = Fleet.server_timers
 
   def stop(self, timeout: float = 60.0) -> None:
     for index, actor in enumerate(self.actors):

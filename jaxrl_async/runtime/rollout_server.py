@@ -139,6 +139,7 @@ class RolloutProcess(RolloutControl):
     parent, child_end = mp.get_context("spawn").Pipe()
     self._conn = parent
     self._lock = threading.Lock()  # one call in flight on the pipe
+    self._final: dict[str, Any] | None = None  # what stop() answered
     self.process = child.spawn("jaxrl_async.runtime.rollout_server:serve", (spec, child_end),
                                name=name, cores=cores, env=child.child_env(cores or []))
     child_end.close()
@@ -188,8 +189,12 @@ class RolloutProcess(RolloutControl):
       return wire.call(self._conn, "health", (timeout,), {}, timeout)
 
   def stop(self, timeout: float = 30.0) -> dict[str, Any]:
+    """Stops the server (a second call returns the first one's answer) and reaps it."""
+    if self._final is not None:
+      return self._final
     try:
-      return self._call("stop", timeout)
+      self._final = self._call("stop", timeout)
+      return self._final
     finally:
       self.close()
 
