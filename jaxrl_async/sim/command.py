@@ -36,7 +36,8 @@ def parse_args(argv):
   parser.add_argument("--modes", default=None, help=f"comma-separated (default: {MODES})")
   parser.add_argument("--gin_bindings", action="append", default=[])
   parser.add_argument("--num_versions", type=int, default=None,
-                      help="policy versions per mode (default: the config's budget)")
+                      help="policy versions per mode (default: the config's budget); with "
+                      "--sweep, the budget is this many versions of the first mode's config")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--fold", type=int, default=None, help="--published: 1/fold of the cluster")
   parser.add_argument("--contention", type=float, default=None,
@@ -106,8 +107,9 @@ def main(argv=None) -> int:
     save_profile(profile, args.save_profile)
   if args.sweep:
     base = next(iter(configs.values()))
-    versions = args.num_versions or min(base.num_versions, 50)
-    result = sweep.sweep(profile, base, num_versions=versions, max_gap=args.max_gap,
+    budget = (args.num_versions * base.samples_per_version if args.num_versions
+              else base.total_samples)
+    result = sweep.sweep(profile, base, total_samples=budget, max_gap=args.max_gap,
                          max_stale_ratio=args.max_stale_ratio, seed=args.seed)
     line = {"simulate": "sweep", "profile": profile.name, **result}
   else:

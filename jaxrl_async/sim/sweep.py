@@ -35,6 +35,10 @@ def settings(staleness=STALENESS, triggers=TRIGGERS, require=REQUIRE):
              "require_batches": batches, "partial_rollout": partial}
 
 
+def _versions(config: RunConfig, total_samples: int) -> int:
+  return max(1, total_samples // config.samples_per_version)
+
+
 def row(summary: dict, sync_samples_per_s: float) -> dict:
   keys = ("system/samples_per_s", "algo/version_gap_max", "algo/stale_ratio",
           "algo/partial_ratio", "rollout/idle_ratio", "learner/idle_ratio")
@@ -43,23 +47,26 @@ def row(summary: dict, sync_samples_per_s: float) -> dict:
   return out
 
 
-def sweep(profile: Profile, base: RunConfig, *, num_versions: int, max_gap: int,
+def sweep(profile: Profile, base: RunConfig, *, total_samples: int, max_gap: int,
           max_stale_ratio: float, seed: int = 0, staleness=STALENESS, triggers=TRIGGERS,
           require=REQUIRE, progress=None) -> dict:
-  """Runs every setting; returns {'sync': ..., 'rows': [...], 'best': row or None}."""
+  """Runs every setting on the same budget of `total_samples` consumed samples (as
+  benchmarks/modes.py compares modes); returns {'sync': ..., 'rows': [...], 'best': ...}."""
   if max_gap < 0 or not 0 <= max_stale_ratio <= 1:
     raise ValueError(f"budget max_gap={max_gap} must be >= 0 and max_stale_ratio="
                      f"{max_stale_ratio} in [0, 1]")
   sync_config = dataclasses.replace(base, mode="sync", staleness_threshold=0.0,
                                     partial_rollout=False, max_version_gap=None)
-  sync = simulate(profile, sync_config, num_versions=num_versions, seed=seed).summary
+  sync = simulate(profile, sync_config, num_versions=_versions(sync_config, total_samples),
+                  seed=seed).summary
   sync_rate = sync["system/samples_per_s"]
   rows = []
   for knobs in settings(staleness, triggers, require):
     mode = mode_for(knobs["staleness_threshold"], knobs["trigger_parameter_sync_step"],
                     knobs["partial_rollout"])
     config = dataclasses.replace(base, mode=mode, max_version_gap=None, **knobs)
-    summary = simulate(profile, config, num_versions=num_versions, seed=seed).summary
+    summary = simulate(profile, config, num_versions=_versions(config, total_samples),
+                       seed=seed).summary
     entry = {"mode": mode, **knobs, **row(summary, sync_rate)}
     entry["meets_budget"] = (entry["algo/version_gap_max"] <= max_gap
                              and entry["algo/stale_ratio"] <= max_stale_ratio)
@@ -69,4 +76,5 @@ def sweep(profile: Profile, base: RunConfig, *, num_versions: int, max_gap: int,
   fits = [r for r in rows if r["meets_budget"]]
   best = max(fits, key=lambda r: r["system/samples_per_s"]) if fits else None
   return {"budget": {"max_gap": max_gap, "max_stale_ratio": max_stale_ratio},
+          "total_samples": total_samples,
           "sync": row(sync, sync_rate), "rows": rows, "best": best}

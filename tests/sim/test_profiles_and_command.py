@@ -58,7 +58,7 @@ def test_fit_refuses_a_directory_without_metrics(tmp_path):
 
 def test_sweep_returns_the_fastest_setting_within_the_budget():
   profile = profile_from_dict(PROFILE)
-  result = sweep.sweep(profile, RunConfig(mode="sync", **GEOMETRY), num_versions=6,
+  result = sweep.sweep(profile, RunConfig(mode="sync", **GEOMETRY), total_samples=768,
                        max_gap=0, max_stale_ratio=0.0, staleness=(0.0, 0.5), triggers=(1, 2),
                        require=(1,))
   assert len(result["rows"]) == 2 + 2 * 2
@@ -68,6 +68,7 @@ def test_sweep_returns_the_fastest_setting_within_the_budget():
   assert best["system/samples_per_s"] == max(r["system/samples_per_s"] for r in fits)
   assert all(r["algo/stale_ratio"] > 0 for r in result["rows"]
              if r["staleness_threshold"] > 0 and not r["meets_budget"])
+  assert result["total_samples"] == 768
 
 
 def test_verl_profile_reproduces_the_published_sync_step():
