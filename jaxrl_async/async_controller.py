@@ -201,7 +201,8 @@ def _run_async(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print
     return (f"learner version {learner.version}, buffer {buffer.counts}, rollout "
             f"{rollouter.counts}, ledger {ledger.offset()} bytes")
 
-  watchdog = Watchdog(cfg.watchdog_timeout_s, describe=describe, rescue=rescue)
+  watchdog = Watchdog(cfg.watchdog_timeout_s, startup_s=cfg.watchdog_startup_s,
+                      describe=describe, rescue=rescue)
   if not last_eval:
     with timer.excluded():
       last_eval.update(evaluator(state.params, version))

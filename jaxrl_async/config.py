@@ -72,6 +72,12 @@ class RunConfig:
   backend: str = "threads"
   num_rollout_servers: int = 1  # rollout server processes ('processes') or actors ('ray')
   heartbeat_timeout_s: float = 10.0  # a rollout server silent this long is replaced
+  # 'ray': custom resources naming the nodes of each side (None = any node), and what each
+  # rollout actor asks Ray for.
+  ray_learner_resource: str | None = None
+  ray_rollout_resource: str | None = None
+  ray_rollout_cpus: float = 1.0
+  ray_rollout_gpus: float = 0.0
   # -- bookkeeping --
   eval_every_versions: int = 10
   eval_size: int = 256
@@ -82,6 +88,7 @@ class RunConfig:
   group_filter: str | None = None  # 'uniform_reward': drop groups with equal rewards (DAPO)
   # No policy version for this long: print every thread's stack, checkpoint if possible, exit 3.
   watchdog_timeout_s: float | None = 1800.0
+  watchdog_startup_s: float | None = 3600.0  # the bound for the first version (compilation)
   # Beside metrics.jsonl: 'tensorboard' (when tensorboardX is installed), 'wandb' (offline).
   metric_sinks: tuple[str, ...] = ("tensorboard",)
 
@@ -89,9 +96,9 @@ class RunConfig:
     check_field_types(self)
     _choice("mode", self.mode, MODES)
     _choice("group_filter", self.group_filter, GROUP_FILTERS)
-    if self.watchdog_timeout_s is not None and not self.watchdog_timeout_s > 0:
-      raise ValueError(f"watchdog_timeout_s must be > 0 or None (off), got "
-                       f"{self.watchdog_timeout_s}")
+    for name in ("watchdog_timeout_s", "watchdog_startup_s"):
+      if getattr(self, name) is not None and not getattr(self, name) > 0:
+        raise ValueError(f"{name} must be > 0 or None (off), got {getattr(self, name)}")
     if self.buffer_capacity is not None and self.buffer_capacity < self.min_capacity:
       raise ValueError(
           f"buffer_capacity={self.buffer_capacity} must be >= group_size * floor((1 + "
@@ -102,6 +109,8 @@ class RunConfig:
     _choice("sync_backend", self.sync_backend, SYNC_BACKENDS)
     _choice("backend", self.backend, BACKENDS)
     _positive_int("num_rollout_servers", self.num_rollout_servers)
+    if self.backend == "ray":
+      _check_ray(self)
     if not self.heartbeat_timeout_s > 0:
       raise ValueError(f"heartbeat_timeout_s must be > 0, got {self.heartbeat_timeout_s}")
     if self.backend != "threads" and self.mode == "sync":
@@ -182,6 +191,16 @@ class RunConfig:
   @property
   def is_async(self) -> bool:
     return self.mode != "sync"
+
+
+def _check_ray(config) -> None:
+  import importlib.util
+  if importlib.util.find_spec("ray") is None:
+    raise ValueError("backend='ray' needs Ray, an optional extra: pip install -e '.[ray]' "
+                     "(or use backend='threads' or 'processes')")
+  for name in ("ray_rollout_cpus", "ray_rollout_gpus"):
+    if not getattr(config, name) >= 0:
+      raise ValueError(f"{name} must be >= 0, got {getattr(config, name)}")
 
 
 def _choice(name: str, value, allowed) -> None:

@@ -220,6 +220,9 @@ def run_parts(parts: Parts, run_dir: str | os.PathLike, *, resume: bool = False,
     if parts.config.is_async and parts.config.backend == "processes":
       from jaxrl_async.runtime.processes import run_processes
       summary = run_processes(parts, run_dir, resume=resume, progress=progress, log=log)
+    elif parts.config.is_async and parts.config.backend == "ray":
+      from jaxrl_async.runtime.ray_run import run_ray
+      summary = run_ray(parts, run_dir, resume=resume, progress=progress, log=log)
     elif parts.config.is_async:
       from jaxrl_async.async_controller import run_async
       summary = run_async(parts, run_dir, resume=resume, progress=progress, log=log)
@@ -314,7 +317,8 @@ def run_sync(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print):
     return f"sync at policy_version {version}, buffer {buffer.counts}"
 
   boundary = None
-  watchdog = Watchdog(cfg.watchdog_timeout_s, describe=describe)
+  watchdog = Watchdog(cfg.watchdog_timeout_s, startup_s=cfg.watchdog_startup_s,
+                      describe=describe)
   try:
     with watchdog:
       while version < cfg.num_versions:

@@ -1,7 +1,7 @@
 """A watchdog for runs: no wait anywhere lasts beyond a bound.
 
 The run calls `progress()` each time it makes a policy version. If `timeout_s` passes without
-one, the watchdog thread
+one (`startup_s` for the first, which includes compilation), the watchdog thread
 1. prints every thread's stack and the state it was given (`describe()`: buffer, ledger),
    and names the fault point a thread is blocked at, when a fault plan made it hang;
 2. calls `rescue()` (stop the roles, write a checkpoint if they stop), bounded by `rescue_s`;
@@ -25,12 +25,17 @@ EXIT_CODE = 3
 
 class Watchdog:
 
-  def __init__(self, timeout_s: float | None, *, describe: Callable[[], str] = lambda: "",
+  def __init__(self, timeout_s: float | None, *, startup_s: float | None = None,
+               describe: Callable[[], str] = lambda: "",
                rescue: Callable[[], None] = lambda: None, rescue_s: float = 60.0,
                exit_fn: Callable[[int], None] = os._exit, stream=None):
     if timeout_s is not None and not timeout_s > 0:
       raise ValueError(f"watchdog_timeout_s must be > 0 or None (off), got {timeout_s}")
+    if startup_s is not None and not startup_s > 0:
+      raise ValueError(f"watchdog_startup_s must be > 0 or None, got {startup_s}")
     self.timeout_s = timeout_s
+    self.startup_s = max(startup_s or 0.0, timeout_s or 0.0)
+    self._started = False  # a first version was made
     self.describe = describe
     self.rescue = rescue
     self.rescue_s = rescue_s
@@ -57,10 +62,15 @@ class Watchdog:
 
   def progress(self) -> None:
     self._last = time.monotonic()
+    self._started = True
+
+  @property
+  def bound_s(self) -> float:
+    return self.timeout_s if self._started else self.startup_s
 
   def _run(self) -> None:
     while not self._stop.wait(min(1.0, self.timeout_s / 4)):
-      if time.monotonic() - self._last > self.timeout_s:
+      if time.monotonic() - self._last > self.bound_s:
         self._fire()
         return
 
@@ -69,7 +79,7 @@ class Watchdog:
     stream = self.stream or sys.stderr
     where = (f" (a thread is blocked at fault point {', '.join(sorted(faults.hanging))})"
              if faults.hanging else "")
-    print(f"\njaxrl_async watchdog: no policy version for {self.timeout_s:.0f} s{where}; "
+    print(f"\njaxrl_async watchdog: no policy version for {self.bound_s:.0f} s{where}; "
           "thread stacks follow", file=stream, flush=True)
     try:
       faulthandler.dump_traceback(file=stream, all_threads=True)

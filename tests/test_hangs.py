@@ -14,10 +14,11 @@ from jaxrl_async.watchdog import EXIT_CODE
 from tests import run_lives
 
 WATCHDOG_S = 10
-BOUND_S = 420  # start-up on a loaded 2-core machine + reaching the point + watchdog + rescue
+BOUND_S = 600  # start-up on a loaded 2-core machine + reaching the point + watchdog + rescue
 AT_ONCE = 3  # runs started together (most of their time is waiting)
 BINDINGS = run_lives.TINY_BINDINGS + (
     f"RunConfig.watchdog_timeout_s = {WATCHDOG_S}.0",
+    "RunConfig.watchdog_startup_s = 400.0",  # the first version compiles
     "RunConfig.checkpoint_every_versions = 2",
     "RunConfig.eval_every_versions = 1000",
     "RunConfig.reward_timeout_s = 1.0",
@@ -42,10 +43,10 @@ def test_a_hang_at_each_point_ends_the_run_within_its_bound(tmp_path):
       runs.append((point, gin_file, run_lives.start(tmp_path / f"run{i}", gin_file, bindings,
                                                     faults_plan=f"{point}=hang@{hit}")))
     for point, gin_file, process in runs:
-      code, _, err, seconds = run_lives.finish(process, BOUND_S)
+      code, out, err, seconds = run_lives.finish(process, BOUND_S)
       if code != EXIT_CODE or f"blocked at fault point {point}" not in err:
         failures.append(f"{gin_file} {point}: returncode {code} after {seconds:.0f} s\n"
-                        f"{err[-2000:]}")
+                        f"{out[-1000:]}\n{err[-2000:]}")
   assert not failures, "\n\n".join(failures)
 
 

@@ -62,3 +62,16 @@ def test_a_rescue_that_hangs_is_bounded():
 def test_a_bad_bound_is_refused():
   with pytest.raises(ValueError, match="watchdog_timeout_s"):
     Watchdog(0)
+
+
+def test_the_first_version_gets_the_startup_bound():
+  exited = []
+  with Watchdog(0.3, startup_s=3.0, exit_fn=exited.append, stream=io.StringIO()) as watchdog:
+    time.sleep(1.0)  # past timeout_s, within startup_s: still compiling
+    assert not watchdog.fired.is_set()
+    watchdog.progress()
+    assert watchdog.fired.wait(5)  # after the first version, timeout_s holds
+    deadline = time.monotonic() + 10
+    while not exited and time.monotonic() < deadline:
+      time.sleep(0.05)
+  assert exited == [EXIT_CODE]
