@@ -9,7 +9,8 @@ time of a stretch is steps x decode_curve(active slots).
 
 Responses record the version of every token (one entry per `token_block` tokens) as segments,
 so an interrupted response resumed under new weights spans versions exactly as in the engine.
-Finished responses go to the reward model: `workers` scorers, a drawn latency each.
+Each stretch's finished responses go to the reward model as one batch (`workers` scorers, a
+drawn latency per response) and into the buffer when the whole batch is scored.
 """
 
 from __future__ import annotations
@@ -246,22 +247,23 @@ class ReplicaPool:
                       segments[0][0], segments[-1][0])  # versions only grow along a response
 
   def score(self, samples: list[Sample]) -> None:
-    """Hands samples to the reward scorers; `on_rewarded` gets them when scored."""
+    """Hands one step's finished samples to the reward scorers as a batch (each sample to the
+    first free scorer); `on_rewarded` gets the batch when all of it is scored, as the
+    rollouter puts a scored batch into the buffer."""
     latencies = self._draws("latency", len(samples))
-    by_time: dict[float, list[Sample]] = {}
     free = self._reward_free
     now = self.clock.now
-    for sample, latency in zip(samples, latencies):
+    batch_done = now
+    for latency in latencies:
       begin = max(now, heapq.heappop(free))
       done = begin + latency
       heapq.heappush(free, done)
+      batch_done = max(batch_done, done)
       # Busy time of the reward role: the union of scoring intervals (as RoleTimer merges them).
       if done > self._reward_until:
         self.reward_busy_s += done - max(begin, self._reward_until)
         self._reward_until = done
-      by_time.setdefault(done, []).append(sample)
-    for done, batch in by_time.items():
-      self.clock.at(done, self._rewarded, batch)
+    self.clock.at(batch_done, self._rewarded, samples)
 
   def _rewarded(self, samples: list[Sample]) -> None:
     now = self.clock.now
