@@ -44,6 +44,7 @@ class Run:
   versions: list  # records written after a policy version
   summary: dict
   spans: list
+  label: str = ""  # in legends and under bars: the name, or its number when names are long
 
   @property
   def boundaries(self) -> dict[int, float]:
@@ -79,7 +80,8 @@ def load_run(path: str, name: str | None = None) -> Run:
     with open(os.path.join(path, "summary.json"), encoding="utf-8") as f:
       summary = json.load(f)
   spans_path = os.path.join(path, SPANS_FILE)
-  return Run(name=name or os.path.basename(os.path.normpath(path)), path=path,
+  name = name or os.path.basename(os.path.normpath(path))
+  return Run(name=name, label=name, path=path,
              evals=[r for r in records if r.get("eval/accuracy") is not None],
              versions=[r for r in records if "algo/version_gap_max" in r], summary=summary,
              spans=read_spans(spans_path) if os.path.isfile(spans_path) else [])
@@ -117,9 +119,21 @@ def _pyplot():
   return plt
 
 
+LONG_NAME = 20
+
+
 def _legend(ax) -> None:
   if ax.get_legend_handles_labels()[0]:
     ax.legend(fontsize=8)
+
+
+def _save(plt, fig, runs, path) -> None:
+  """Saves the figure; where runs go by numbers, a key of numbers and names goes below it."""
+  if any(run.label != run.name for run in runs):
+    fig.text(0.01, 0.0, "\n".join(f"{run.label}: {run.name}" for run in runs), va="top",
+             fontsize=8, family="monospace")
+  fig.savefig(path, dpi=100, bbox_inches="tight")
+  plt.close(fig)
 
 
 def plot_curves(plt, runs, path):
@@ -127,14 +141,14 @@ def plot_curves(plt, runs, path):
   for run in runs:
     if run.evals:
       axes[0, 0].plot([r["time_s"] for r in run.evals], [r["eval/accuracy"] for r in run.evals],
-                      marker=".", label=run.name)
+                      marker=".", label=run.label)
       axes[0, 1].plot([r["samples"] for r in run.evals], [r["eval/accuracy"] for r in run.evals],
-                      marker=".", label=run.name)
+                      marker=".", label=run.label)
     points = [r for r in run.versions if r.get("result/reward_mean") is not None]
     axes[1, 0].plot([r["time_s"] for r in points], [r["result/reward_mean"] for r in points],
-                    label=run.name)
+                    label=run.label)
     axes[1, 1].plot([r["samples"] for r in points], [r["result/reward_mean"] for r in points],
-                    label=run.name)
+                    label=run.label)
   for row, what in ((0, "held-out accuracy"), (1, "training reward")):
     axes[row, 0].set(xlabel="wall-clock s (eval excluded)", ylabel=what,
                      title=f"{what} vs wall-clock")
@@ -143,8 +157,7 @@ def plot_curves(plt, runs, path):
     ax.grid(alpha=0.3)
     _legend(ax)
   fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+  _save(plt, fig, runs, path)
 
 
 def plot_timeline(plt, runs, path, width):
@@ -172,8 +185,7 @@ def plot_timeline(plt, runs, path, width):
            title=f"{run.name}: busy spans, policy versions {window[0]} to {window[1]}")
     ax.invert_yaxis()
   fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+  _save(plt, fig, runs, path)
 
 
 def gap_shares(run: Run) -> list[float]:
@@ -188,7 +200,7 @@ def gap_shares(run: Run) -> list[float]:
 
 def plot_version_gap(plt, runs, path):
   fig, ax = plt.subplots(figsize=(8, 4.5))
-  shares = {run.name: gap_shares(run) for run in runs}
+  shares = {run.label: gap_shares(run) for run in runs}
   longest = max((len(s) for s in shares.values()), default=0)
   width = 0.8 / max(len(runs), 1)
   for i, (name, share) in enumerate(shares.items()):
@@ -203,8 +215,7 @@ def plot_version_gap(plt, runs, path):
          title="version-gap histogram (consumed tokens)")
   _legend(ax)
   fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+  _save(plt, fig, runs, path)
 
 
 def plot_queue_depth(plt, runs, path):
@@ -214,7 +225,7 @@ def plot_queue_depth(plt, runs, path):
     points = [r for r in run.versions if r.get("queue/depth") is not None]
     if points:
       ax.step([r["time_s"] for r in points], [r["queue/depth"] for r in points], where="post",
-              label=run.name)
+              label=run.label)
     else:
       missing.append(run.name)
   title = "queue depth at each policy version"
@@ -222,11 +233,9 @@ def plot_queue_depth(plt, runs, path):
     title += f"\n(not recorded: {', '.join(missing)})"
   ax.set(xlabel="wall-clock s (eval excluded)", ylabel="samples queued", title=title)
   ax.grid(alpha=0.3)
-  if len(missing) < len(runs):
-    ax.legend(fontsize=8)
+  _legend(ax)
   fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+  _save(plt, fig, runs, path)
 
 
 def idle_ratio(run: Run, role: str) -> float:
@@ -241,7 +250,7 @@ def _idle_bars(ax, runs):
   for i, role in enumerate(ROLES):
     ax.bar([j + (i - 1.5) * width for j in range(len(runs))],
            [idle_ratio(run, role) for run in runs], width, label=role, color=ROLE_COLORS[role])
-  ax.set_xticks(range(len(runs)), [run.name for run in runs], rotation=20, ha="right")
+  ax.set_xticks(range(len(runs)), [run.label for run in runs])
   ax.set(ylabel="idle ratio (whole run)", ylim=(0, 1.25), yticks=[0, 0.2, 0.4, 0.6, 0.8, 1.0],
          title="idle ratio per role")
   ax.legend(fontsize=8, ncols=len(ROLES), loc="upper center")
@@ -251,27 +260,25 @@ def plot_idle_ratios(plt, runs, path):
   fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(runs) + 3), 4.5))
   _idle_bars(ax, runs)
   fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+  _save(plt, fig, runs, path)
 
 
 def plot_overview(plt, runs, path):
   fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
   for run in runs:
     axes[0].plot([r["time_s"] for r in run.evals], [r["eval/accuracy"] for r in run.evals],
-                 marker=".", label=run.name)
+                 marker=".", label=run.label)
   axes[0].set(xlabel="wall-clock s (eval excluded)", ylabel="held-out accuracy",
               title="accuracy vs wall-clock")
   axes[0].grid(alpha=0.3)
   _legend(axes[0])
   rates = [run.table_row()["system/samples_per_s"] or 0.0 for run in runs]
   axes[1].bar(range(len(runs)), rates, color="tab:gray")
-  axes[1].set_xticks(range(len(runs)), [run.name for run in runs], rotation=20, ha="right")
+  axes[1].set_xticks(range(len(runs)), [run.label for run in runs])
   axes[1].set(ylabel="samples/s", title="samples/s")
   _idle_bars(axes[2], runs)
   fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+  _save(plt, fig, runs, path)
 
 
 # ---- the page ---------------------------------------------------------------------------------
@@ -281,13 +288,17 @@ def _cell(value) -> str:
   return html.escape("-" if value is None else str(value))
 
 
+def _numbered(run: Run) -> str:
+  return run.name if run.label == run.name else f"{run.label}: {run.name}"
+
+
 def write_html(runs, out_dir, figures) -> str:
-  header = "".join(f"<th>{html.escape(run.name)}</th>" for run in runs)
+  header = "".join(f"<th>{html.escape(_numbered(run))}</th>" for run in runs)
   rows = []
   for key, label in TABLE:
     cells = "".join(f"<td>{_cell(run.table_row()[key])}</td>" for run in runs)
     rows.append(f"<tr><th>{html.escape(label)}</th>{cells}</tr>")
-  paths = "".join(f"<li>{html.escape(run.name)}: <code>{html.escape(os.path.abspath(run.path))}"
+  paths = "".join(f"<li>{html.escape(_numbered(run))}: <code>{html.escape(os.path.abspath(run.path))}"
                   "</code></li>" for run in runs)
   images = "".join(
       f'<h2>{html.escape(name.replace("_", " "))}</h2><img src="{os.path.basename(file)}" '
@@ -315,6 +326,9 @@ def write_report(run_dirs, out_dir: str, *, names=None, timeline_versions: int =
     raise ValueError(f"timeline_versions must be >= 1, got {timeline_versions}")
   names = names or run_names(run_dirs)
   runs = [load_run(path, name) for path, name in zip(run_dirs, names, strict=True)]
+  numbered = any(len(run.name) > LONG_NAME for run in runs)
+  for number, run in enumerate(runs, 1):
+    run.label = str(number) if numbered else run.name
   plt = _pyplot()
   os.makedirs(out_dir, exist_ok=True)
   figures = {name: os.path.join(out_dir, f"{name}.png") for name in FIGURES}

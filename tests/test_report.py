@@ -135,3 +135,14 @@ def test_report_of_a_run_without_spans_or_queue_still_draws(tmp_path):
   assert cli.main(["report", str(tmp_path / "run")]) == 0
   for name in report.FIGURES:
     assert os.path.isfile(tmp_path / "run" / "report" / f"{name}.png")
+
+
+def test_long_run_names_go_by_numbers_with_a_key(tmp_path):
+  long_names = ["000-staleness_threshold=0.5,trigger_parameter_sync_step=1",
+                "001-staleness_threshold=1.0,trigger_parameter_sync_step=2"]
+  for name in long_names:
+    write_run(tmp_path / name, [(1, 1.0), (2, 2.0)])
+  paths = report.write_report([str(tmp_path / n) for n in long_names], str(tmp_path / "out"))
+  with open(paths["html"], encoding="utf-8") as f:
+    page = f.read()
+  assert f"<th>1: {long_names[0]}</th>" in page and f"<th>2: {long_names[1]}</th>" in page
