@@ -25,7 +25,7 @@ def _seed() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(2400)
+@pytest.mark.timeout(5400)
 @pytest.mark.parametrize("gin_file, extra, kills, points", [
     ("gin/modes/async_partial.gin", (), 5, tuple(run_lives.KILL_HITS)),
     ("gin/modes/sync.gin", (), 3, run_lives.SYNC_POINTS),
