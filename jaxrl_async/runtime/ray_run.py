@@ -58,7 +58,7 @@ class RolloutActorImpl:
     if method not in ("start", "pause", "resume", "snapshot", "evaluate", "health", "stop"):
       raise AttributeError(f"a rollout server has no call {method!r}")
     result = getattr(self.server, method)(timeout)
-    if method == "health":
+    if method in ("health", "stop"):  # both answer with the server's health
       result = {**result, "client_id": self.client_id,
                 "node_id": require_ray().get_runtime_context().get_node_id()}
     return result
