@@ -13,7 +13,7 @@ from jaxrl_async import faults
 from jaxrl_async.watchdog import EXIT_CODE
 from tests import run_lives
 
-WATCHDOG_S = 10
+WATCHDOG_S = 30  # well above a version's time on a loaded 2-core machine
 BOUND_S = 600  # start-up on a loaded 2-core machine + reaching the point + watchdog + rescue
 AT_ONCE = 3  # runs started together (most of their time is waiting)
 BINDINGS = run_lives.TINY_BINDINGS + (
@@ -54,7 +54,8 @@ def test_a_hang_at_each_point_ends_the_run_within_its_bound(tmp_path):
 @pytest.mark.timeout(900)
 def test_a_reward_call_that_never_returns_is_counted_and_does_not_hold_the_exit(tmp_path):
   run_dir = tmp_path / "run"
-  bindings = BINDINGS + ("RunConfig.total_samples = 160",)  # 20 versions of 2 x 4 samples
+  bindings = BINDINGS + ("RunConfig.total_samples = 160",  # 20 versions of 2 x 4 samples
+                         "RunConfig.watchdog_timeout_s = 300.0")
   process = run_lives.start(run_dir, "gin/modes/async_partial.gin", bindings,
                             faults_plan="reward.call=hang@7")
   code, out, err, _ = run_lives.finish(process, BOUND_S)
