@@ -50,8 +50,10 @@ def make_channel(parts: Parts, run_dir):
     shutil.rmtree(os.path.join(run_dir, "weights"), ignore_errors=True)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                             parts.state.params)
-    return OrbaxStoreChannel(os.path.join(run_dir, "weights"), abstract, parts.logical_axes)
-  return DeviceTransferChannel(parts.logical_axes)
+    return OrbaxStoreChannel(os.path.join(run_dir, "weights"), abstract, parts.logical_axes,
+                             parts.rollout_mesh)
+  # With a rollout mesh (placement), publish copies the weights onto the rollout devices.
+  return DeviceTransferChannel(parts.logical_axes, parts.rollout_mesh)
 
 
 def run_async(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print) -> dict:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import gin
-from jaxrl_async import controller, sharding
+from jaxrl_async import async_controller, controller, sharding
 from jaxrl_async.config import RunConfig
 from jaxrl_async.learner.sft import WarmStartConfig
 from jaxrl_async.sharding import MeshShape
@@ -106,8 +106,14 @@ def _one_version_of_groups(parts):
   for group_id in range(cfg.groups_per_version):
     requests += controller.make_group_requests(next(parts.prompt_iterator), group_id,
                                                cfg.group_size, cfg.seed)
-  samples = parts.rewards.score_all(batcher.run_to_completion(requests))
-  return controller._assemble_groups(samples, cfg.group_size, {}), batcher
+  by_group: dict[int, list] = {}
+  for sample in parts.rewards.score_all(batcher.run_to_completion(requests)):
+    by_group.setdefault(sample.group_id, []).append(sample)
+  groups = [sorted(group, key=lambda s: s.meta["index_in_group"])
+            for _, group in sorted(by_group.items())]
+  assert all(len(g) == cfg.group_size and all(s.reward_status == "ok" for s in g)
+             for g in groups)
+  return groups, batcher
 
 
 def test_split_build_places_each_role_on_its_own_devices(parts_pair):
@@ -145,6 +151,16 @@ def test_update_and_publish_equal_the_unsplit_run(parts_pair):
   # The update changed the params: the comparison is not between two copies of the start.
   assert not all(jax.tree.leaves(jax.tree.map(np.array_equal, start,
                                               jax.device_get(published))))
+
+
+def test_the_async_weight_channel_publishes_onto_the_rollout_mesh(parts_pair, tmp_path):
+  _, split = parts_pair
+  channel = async_controller.make_channel(split, tmp_path)
+  channel.publish(7, split.state.params)
+  version, fetched = channel.fetch()
+  assert version == 7 and device_ids(fetched) == {4, 5, 6, 7}
+  assert device_ids(split.state.params) == {0, 1, 2, 3}  # the learner's stay where they were
+  channel.close()
 
 
 # ---- a split run, end to end ---------------------------------------------------------------------
