@@ -9,7 +9,12 @@ program (arguments, outputs, temporaries), for the update with and without gradi
 checkpointing (only the chosen one runs), and the process's peak resident memory.
 
     python benchmarks/real_model.py                      # 0.5B shapes, bfloat16, remat on
+    python benchmarks/real_model.py --skip_decode --learner_prompts 2   # a quarter of the batch
     python benchmarks/real_model.py --model tiny --prompt_len 8 --response_len 8   # smoke test
+
+The update is skipped (and says so) when XLA's account of it exceeds the memory available: on a
+24 GB machine the full batch (6,144 tokens, a 151,936-token vocabulary: float32 logits of 3.7 GB,
+several live at once) needs about 30 GB, so `--learner_prompts 2` trains a quarter of it.
 
 Prints one JSON line (with the machine's load average: timings on a shared machine vary).
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import resource
 import sys
@@ -80,6 +86,11 @@ def main(argv=None) -> int:
   parser.add_argument("--dtype", default="bfloat16", help="activation dtype")
   parser.add_argument("--param_dtype", default="bfloat16")
   parser.add_argument("--no_remat", action="store_true", help="run without remat")
+  parser.add_argument("--learner_prompts", type=int, default=None,
+                      help="train on the first N prompts' groups only (default: all); XLA's "
+                           "memory account is still reported for the batch trained")
+  parser.add_argument("--skip_decode", action="store_true",
+                      help="no decode: the learner trains on random responses of the same shape")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--memory_margin_mb", type=float, default=3072,
                       help="skip the update when XLA's account of it exceeds the machine's "
@@ -101,9 +112,32 @@ def main(argv=None) -> int:
 
   # ---- decode --------------------------------------------------------------------------------
   slots = args.prompts * args.samples
+  if args.skip_decode:
+    samples, decode = _random_responses(args, config.vocab_size), None
+  else:
+    samples, decode = _decode(args, config, graphdef, params, slots)
+  print(f"decode: {json.dumps(decode)}", file=sys.stderr)
+
+  # ---- one learner update ----------------------------------------------------------------------
+  return _learn(args, config, params, logical_axes, samples, decode, init_s, load)
+
+
+def _random_responses(args, vocab_size: int):
+  rng = np.random.default_rng(args.seed + 1)
+  samples = []
+  for request in _requests(args, vocab_size):
+    sample = request.sample
+    sample.response_tokens = rng.integers(0, vocab_size, args.response_len).astype(np.int32)
+    sample.behaviour_logprobs = np.full(args.response_len, -np.log(vocab_size), np.float32)
+    sample.token_versions = np.zeros(args.response_len, np.int32)
+    samples.append(sample)
+  return samples
+
+
+def _decode(args, config, graphdef, params, slots):
   engine = Engine(graphdef, config, max_concurrent_decodes=slots,
                   max_prefill_length=args.prompt_len, sampling=SamplingConfig(temperature=1.0),
-                  cache_length=seq_len, steps_per_call=args.decode_steps)
+                  cache_length=config.max_seq_len, steps_per_call=args.decode_steps)
   began = time.perf_counter()
   warm = ContinuousBatcher(engine, eos_id=-1, max_response_len=args.decode_steps)
   warm.set_params(params, 0)
@@ -116,20 +150,24 @@ def main(argv=None) -> int:
   decode_s = time.perf_counter() - began
   decode_tokens = sum(len(s.response_tokens) for s in samples)
   assert decode_tokens == slots * args.response_len, decode_tokens
-  del warm, batcher
+  return samples, {"tokens": decode_tokens, "seconds": round(decode_s, 2),
+                   "tokens_per_s": round(decode_tokens / decode_s, 2),
+                   "compile_and_warmup_s": round(decode_compile_s, 1)}
 
-  # ---- one learner update ----------------------------------------------------------------------
+
+def _learn(args, config, params, logical_axes, samples, decode, init_s, load):
   rng = np.random.default_rng(args.seed)
   groups = {}
   for sample in samples:
     sample.reward = float(rng.integers(0, 2))
     groups.setdefault(sample.group_id, []).append(sample)
   groups = [sorted(g, key=lambda s: s.meta["index_in_group"]) for _, g in sorted(groups.items())]
+  groups = groups[:args.learner_prompts or len(groups)]
   learner_config = step_lib.LearnerConfig()
   mesh = sharding.make_mesh(sharding.MeshShape(data=1, fsdp=1, tensor=1), jax.devices()[:1])
   state = step_lib.init_train_state(params, learner_config.optimizer(), mesh, logical_axes)
   del params
-  batch = step_lib.shard_batch(pack(groups, seq_len, num_groups=len(groups), row_multiple=1),
+  batch = step_lib.shard_batch(pack(groups, config.max_seq_len, num_groups=len(groups), row_multiple=1),
                                mesh)
   learner_tokens = int(np.asarray(batch.segment_ids > 0).sum())
   update_args = (state, batch, None, np.float32(0), np.float32(0))
@@ -166,10 +204,8 @@ def main(argv=None) -> int:
       "prompt_len": args.prompt_len, "response_len": args.response_len,
       "decode_steps_per_call": args.decode_steps, "devices": str(jax.devices()[0].platform),
       "init_s": round(init_s, 2),
-      "decode": {"tokens": decode_tokens, "seconds": round(decode_s, 2),
-                 "tokens_per_s": round(decode_tokens / decode_s, 2),
-                 "compile_and_warmup_s": round(decode_compile_s, 1)},
-      "learner": {"tokens": learner_tokens, "rows": int(batch.tokens.shape[0]),
+      "decode": decode,
+      "learner": {"groups": len(groups), "tokens": learner_tokens, "rows": int(batch.tokens.shape[0]),
                   "seconds": round(update_s, 2), "ran": bool(np.isfinite(update_s)),
                   "tokens_per_s": round(learner_tokens / update_s, 2)},
       "memory": {**memory,
