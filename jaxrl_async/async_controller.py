@@ -159,6 +159,7 @@ def _run_async(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print
       run_eval(at_version, learner_state)
     if at_version % cfg.checkpoint_every_versions == 0 or at_version == cfg.num_versions:
       save_checkpoint(at_version, learner_state)
+    watchdog.progress()  # an evaluation or a checkpoint that finished is progress too
 
   learner = LearnerRole(
       state=state, buffer=buffer, channel=channel, timer=timer,

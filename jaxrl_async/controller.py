@@ -376,6 +376,7 @@ def run_sync(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print):
         if version % cfg.checkpoint_every_versions == 0 or version == cfg.num_versions:
           with timer.excluded():
             checkpointer.save(version, state, parts.prompt_iterator, run_state_now())
+          watchdog.progress()  # a checkpoint that finished is progress too
       with timer.excluded():
         last_eval = evaluator(state.params, version)
       writer.write({"policy_version": version, "learner_step": int(state.step),

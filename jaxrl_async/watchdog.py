@@ -1,6 +1,7 @@
 """A watchdog for runs: no wait anywhere lasts beyond a bound.
 
-The run calls `progress()` each time it makes a policy version. If `timeout_s` passes without
+The run calls `progress()` each time it makes a policy version (and when an evaluation or a
+checkpoint after it finishes). If `timeout_s` passes without
 one (`startup_s` for the first, which includes compilation), the watchdog thread
 1. prints every thread's stack and the state it was given (`describe()`: buffer, ledger),
    and names the fault point a thread is blocked at, when a fault plan made it hang;

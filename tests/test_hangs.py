@@ -13,7 +13,7 @@ from jaxrl_async import faults
 from jaxrl_async.watchdog import EXIT_CODE
 from tests import run_lives
 
-WATCHDOG_S = 30  # well above a version's time on a loaded 2-core machine
+WATCHDOG_S = 60  # well above a version's time on a loaded 2-core machine
 BOUND_S = 600  # start-up on a loaded 2-core machine + reaching the point + watchdog + rescue
 AT_ONCE = 3  # runs started together (most of their time is waiting)
 BINDINGS = run_lives.TINY_BINDINGS + (
