@@ -41,8 +41,11 @@ def test_kill_9_at_random_points_loses_and_duplicates_nothing(tmp_path, gin_file
   history = run_lives.chaos(run_dir, gin_file, CHAOS_BINDINGS + extra, kills=kills, seed=seed,
                             points=points)
   report = run_lives.books(run_dir)
-  print("chaos figures: " + json.dumps({"mode": gin_file, "extra": extra, **history,
-                                        **report["figures"]}))
+  figures = json.dumps({"mode": gin_file, "extra": extra, **history, **report["figures"]})
+  print("chaos figures: " + figures)
+  if os.environ.get("JAXRL_ASYNC_CHAOS_REPORT"):  # a file to collect the figures of each run
+    with open(os.environ["JAXRL_ASYNC_CHAOS_REPORT"], "a", encoding="utf-8") as f:
+      f.write(figures + "\n")
   run_lives.check_books(report, NUM_VERSIONS)
   assert history["kills"] >= kills
   assert report["summary"]["eval/accuracy"] >= 0.85
