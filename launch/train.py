@@ -87,7 +87,12 @@ def main(argv=None) -> int:
         "runs", f"{config.mode}-{time.strftime('%Y%m%d-%H%M%S')}")
     check_run_dir(run_dir, args.resume)
     parts = controller.build(config)
-  except (ValueError, TypeError, SyntaxError, FileNotFoundError, CheckpointError) as error:
+  except SyntaxError as error:  # gin's parser: quote the line, bindings are joined in order
+    print(f"jaxrl-async train: configuration error: gin syntax in "
+          f"{error.filename or 'the bindings'}, line {error.lineno}: {error.text!r}: "
+          f"{error.msg}", file=sys.stderr)
+    return 2
+  except (ValueError, TypeError, FileNotFoundError, CheckpointError) as error:
     print(f"jaxrl-async train: configuration error: {error}", file=sys.stderr)
     return 2
   os.makedirs(run_dir, exist_ok=True)
