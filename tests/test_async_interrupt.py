@@ -10,17 +10,11 @@ import time
 import pytest
 
 from jaxrl_async.metrics import read_jsonl
+from tests import run_lives
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PER_VERSION = 2 * 4  # mini_batch_size x group_size
-BINDINGS = (
-    "DigitReverseTask.max_len = 8",
-    "WarmStartConfig.steps = 20",
-    "WarmStartConfig.batch_size = 16",
-    "RunConfig.group_size = 4",
-    "RunConfig.mini_batch_size = 2",
-    "RunConfig.max_concurrent_decodes = 8",
-    "RunConfig.eval_size = 16",
+BINDINGS = run_lives.TINY_BINDINGS + (
     "RunConfig.eval_every_versions = 1000",
     "RunConfig.checkpoint_every_versions = 100000",
 )
