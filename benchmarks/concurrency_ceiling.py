@@ -123,7 +123,7 @@ def _roles(batches: int, bindings=()) -> dict:
                                                  cfg.group_size, cfg.seed)
       next_group[0] += 1
     samples = parts.rewards.score_all(batcher.run_to_completion(requests))
-    return controller._assemble_groups(samples, cfg.group_size, {})
+    return controller.assemble_groups(parts, samples)
 
   data = [rollout_batch() for _ in range(16)]
   state = [parts.state]

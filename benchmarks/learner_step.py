@@ -50,7 +50,7 @@ def main(argv=None) -> int:
       requests += controller.make_group_requests(next(parts.prompt_iterator), group_id,
                                                  cfg.group_size, cfg.seed)
     samples = parts.rewards.score_all(batcher.run_to_completion(requests))
-    data.append(controller._assemble_groups(samples, cfg.group_size, {}))
+    data.append(controller.assemble_groups(parts, samples))
   parts.rewards.close()
   real_tokens = [sum(len(s.prompt_tokens) + s.num_response_tokens for g in groups for s in g)
                  for groups in data]

@@ -411,6 +411,21 @@ def _deleted(state) -> bool:
   return any(x.is_deleted() for x in jax.tree.leaves(state.params))
 
 
+def assemble_groups(parts: Parts, samples: list[Sample], version: int = 0):
+  """The whole groups among scored `samples`, by the buffer's rules (a group with a failed
+  member is dropped whole), in group id order. For benchmarks and tools that roll out outside
+  a run; runs keep their buffer and its drop counts."""
+  cfg = parts.config
+  buffer = VersionedBuffer(group_size=cfg.group_size, groups_per_version=cfg.groups_per_version,
+                           staleness_threshold=cfg.staleness_threshold,
+                           max_version_gap=cfg.max_version_gap,
+                           capacity=max(cfg.capacity, len(samples)),
+                           group_filter=cfg.group_filter_fn, drop_truncated=cfg.drop_truncated)
+  for sample in samples:
+    buffer.put(sample, timeout=ADMISSION_TIMEOUT_S)
+  return _take_ready(buffer, version)
+
+
 def _take_ready(buffer: VersionedBuffer, version: int) -> list[list[Sample]]:
   """Every whole group the version made (the rest were dropped), in group id order."""
   ready = int(buffer.metrics()["queue/ready_groups"])
