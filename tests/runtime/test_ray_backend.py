@@ -318,8 +318,10 @@ def test_a_killed_rollout_actor_mid_run_loses_and_duplicates_no_prompt(cluster, 
     ledger = json.load(f)
   assert summary["policy_version"] == 12
   assert summary["rollout_server_restarts"] == 1
+  # A kill between two groups (the actor waiting for admission) leaves nothing to re-issue,
+  # so the count may be 0; whatever was in flight is re-issued once and accounted for below.
   reissued = summary["runtime/reissued_groups/actor_restarted"]
-  assert reissued == len(ledger["reissued"]) > 0
+  assert reissued == len(ledger["reissued"])
   assert summary["runtime/reissued_groups/server_unresponsive"] == 0
   # Each prompt id consumed once or dropped once under its reason, never both, never twice.
   processes_tests.check_ledger(summary, ledger, config)
