@@ -75,9 +75,9 @@ def _run_async(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print
   rollout_state = {"next_group_id": 0, "inflight": []}
   taken, last_eval, evaluated = None, {}, [None]  # evaluated[0]: the version last evaluated
   restored = checkpointer.restore_latest(state, parts.prompt_iterator) if resume else None
+  rewind_logs(run_dir, restored[1] if restored is not None else None)
   if restored is not None:
     state, run_state, _ = restored
-    rewind_logs(run_dir, run_state)
     version = run_state["policy_version"]
     totals = {"consumed": run_state["consumed_samples"], "tokens": run_state["consumed_tokens"]}
     buffer.set_state(run_state["buffer"])

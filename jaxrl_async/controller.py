@@ -289,9 +289,9 @@ def run_sync(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print):
   state = parts.state
   version, next_group, consumed, tokens_consumed = 0, 0, 0, 0
   restored = checkpointer.restore_latest(state, parts.prompt_iterator) if resume else None
+  rewind_logs(run_dir, restored[1] if restored is not None else None)
   if restored is not None:
     state, run_state, _ = restored
-    rewind_logs(run_dir, run_state)
     version, next_group = run_state["policy_version"], run_state["next_group_id"]
     consumed, tokens_consumed = run_state["consumed_samples"], run_state["consumed_tokens"]
     buffer.set_state(run_state["buffer"])

@@ -141,10 +141,15 @@ def log_offsets(run_dir: str | os.PathLike, ledger: SampleLedger) -> dict[str, i
           "ledger_offset": ledger.offset()}
 
 
-def rewind_logs(run_dir: str | os.PathLike, run_state: dict) -> None:
-  """Before a resumed run writes anything: cut both logs back to the checkpoint's view, so the
-  versions and events it makes again replace the ones written after the checkpoint."""
+def rewind_logs(run_dir: str | os.PathLike, run_state: dict | None) -> None:
+  """Before a run writes anything: cut both logs back to the checkpoint's view, so the versions
+  and events it makes again replace the ones written after the checkpoint. A run that starts
+  from scratch (`run_state` None: no checkpoint yet, e.g. a crash before the first one) starts
+  them empty."""
+  if run_state is None:
+    run_state = {"metrics_offset": 0, "ledger_offset": 0}
   run_dir = os.fspath(run_dir)
   for name, key in ((METRICS_FILE, "metrics_offset"), (LEDGER_FILE, "ledger_offset")):
-    if key in run_state:
-      truncate(os.path.join(run_dir, name), int(run_state[key]))
+    path = os.path.join(run_dir, name)
+    if key in run_state and (run_state[key] or os.path.exists(path)):
+      truncate(path, int(run_state[key]))

@@ -12,12 +12,11 @@ import pytest
 
 from tests import run_lives
 
-CHAOS_BINDINGS = (
-    "RunConfig.total_samples = 25600",  # 400 versions of the default task
+CHAOS_BINDINGS = (  # the default task and budget (800 versions), checkpoints more often
     "RunConfig.checkpoint_every_versions = 20",
     "RunConfig.eval_every_versions = 50",
 )
-NUM_VERSIONS = 400
+NUM_VERSIONS = 800
 
 
 def _seed() -> int:

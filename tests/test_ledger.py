@@ -68,3 +68,14 @@ def test_a_log_shorter_than_the_checkpoint_is_an_error(tmp_path):
   with pytest.raises(ValueError, match="less than the 100 bytes"):
     ledger_lib.truncate(path, 100)
   assert os.path.getsize(path) == 3
+
+
+def test_a_run_from_scratch_starts_both_logs_empty(tmp_path):
+  # e.g. a crash before the first checkpoint, then --resume: nothing to resume, start over
+  ledger = _write(tmp_path)
+  ledger.close()
+  (tmp_path / "metrics.jsonl").write_text('{"policy_version": 1}\n')
+  ledger_lib.rewind_logs(tmp_path, None)
+  assert (tmp_path / "metrics.jsonl").read_text() == ""
+  assert ledger_lib.read_events(tmp_path / "ledger.jsonl") == []
+  ledger_lib.rewind_logs(tmp_path / "nothing-here", None)  # no logs yet: nothing to cut

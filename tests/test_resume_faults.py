@@ -130,3 +130,19 @@ def test_bad_rewards_are_counted_and_never_trained_on(tmp_path, mode):
   assert summary["reward/failed"] > 0 and summary["reward/retries"] > 0
   assert summary["ledger/missing"] == 0 and summary["ledger/duplicates"] == 0
   assert summary["ledger/dropped/reward_failed"] == summary["queue/dropped/reward_failed"]
+
+
+def test_a_crash_before_the_first_checkpoint_then_resume_starts_over_cleanly(tmp_path):
+  config = _async_config(checkpoint_every_versions=100)  # the only checkpoint is at the end
+  run_dir = str(tmp_path / "run")
+  faults.configure("learner.take_publish=raise@3")
+  with pytest.raises(RoleFailed, match="learner.take_publish"):
+    controller.run(config, run_dir, progress=False, log=quiet)
+  faults.configure(None)
+  assert os.path.getsize(os.path.join(run_dir, LEDGER_FILE)) > 0  # versions 1, 2 were logged
+  controller.run(config, run_dir, resume=True, progress=False, log=quiet)
+  _check_books(run_dir, config.num_versions)
+  with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+    versions = [json.loads(line)["policy_version"] for line in f
+                if "result/reward_mean" in line]
+  assert versions == list(range(1, config.num_versions + 1))
