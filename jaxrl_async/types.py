@@ -1,7 +1,7 @@
 """The one record that crosses role boundaries, and the batch the learner trains on.
 
 A `Sample` is one response to one prompt. It carries its whole provenance so that staleness,
-partial rollouts and drops are observable after the fact (DESIGN.md, principle 2):
+partial rollouts and drops are observable after the fact:
 
 - `token_versions[t]` is the policy version that generated response token t;
 - `behaviour_logprobs[t]` is log pi_behaviour(token t | prefix) under that version, at the
@@ -37,7 +37,7 @@ class FinishReason(str, enum.Enum):
   ABORTED = "aborted"  # generation stopped (shutdown / failure) before it finished
 
 
-# Every reason a sample may fail to reach the learner (DESIGN.md, principle 5).
+# Every reason a sample may fail to reach the learner.
 DROP_REASONS = (
     "stale",
     "reward_failed",

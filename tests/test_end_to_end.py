@@ -28,7 +28,7 @@ GROUP_SIZE = 4
 GROUPS_PER_VERSION = 2  # mini_batch_size x require_batches x trigger
 SAMPLES_PER_VERSION = GROUP_SIZE * GROUPS_PER_VERSION
 
-# DESIGN.md "Metrics": names every per-version record of a run carries.
+# README "Metrics": names every per-version record of a run carries.
 VERSION_RECORD_NAMES = (
     "policy_version", "learner_step", "system/samples_per_s", "system/tokens_per_s",
     "system/steps_per_hour", "rollout/idle_ratio", "learner/idle_ratio", "reward/idle_ratio",

@@ -1,4 +1,4 @@
-"""Sample accounting and queue latency (DESIGN.md, principle 5: nothing disappears uncounted).
+"""Sample accounting and queue latency (nothing disappears uncounted).
 
 Every sample that entered `put` is, at every moment, in exactly one of: consumed, dropped under
 one reason of `jaxrl_async.types.DROP_REASONS`, or queued. `problems()` checks

@@ -5,7 +5,7 @@ is counted under one reason, the first of `GROUP_DROP_PRIORITY` found among the 
 
   rollout_failed  finish_reason 'aborted' (generation never finished)
   reward_failed   reward_status 'failed', or a reward that was never set ('pending'), or a
-                  non-finite reward under status 'ok' (DESIGN.md: a NaN reward is counted,
+                  non-finite reward under status 'ok' (a NaN reward is counted,
                   never trained on)
   reward_timeout  reward_status 'timeout'
   truncated       finish_reason 'length', only when the buffer drops truncated samples

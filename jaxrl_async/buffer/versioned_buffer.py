@@ -309,7 +309,7 @@ class VersionedBuffer:
       return counts
 
   def metrics(self) -> dict[str, float]:
-    """The queue metrics of DESIGN.md (latency NaN before the first consumed sample)."""
+    """The queue metrics (README, "Metrics") (latency NaN before the first consumed sample)."""
     with self._lock:
       acc = self._acc
       metrics = {

@@ -1,6 +1,6 @@
 """The weight channel: `publish(version, params)` on the learner side, `fetch()` on the rollout side.
 
-Two backends behind one interface (DESIGN.md, principle 3):
+Two backends behind one interface:
 - `DeviceTransferChannel`: copies the learner's params straight onto the rollout devices with the
   rollout's shardings (`jax.device_put` between meshes: a device-to-device copy where the
   platform allows it, no host round trip). The copy is private to the rollout side, so the
