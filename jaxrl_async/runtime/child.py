@@ -16,6 +16,7 @@ import importlib
 import multiprocessing as mp
 import os
 import signal
+import sys
 import threading
 
 _PR_SET_PDEATHSIG = 1
@@ -50,7 +51,20 @@ def child_env(cores: list[int]) -> dict[str, str]:
     flags = (flags + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
   env = dict.fromkeys(THREAD_ENV, threads)
   env["XLA_FLAGS"] = flags.strip()
+  env.update(compilation_cache_env())
   return env
+
+
+def compilation_cache_env() -> dict[str, str]:
+  """The parent's persistent compilation cache, for a spawned child (JAX reads these variables
+  at import; a child started without them compiles every executable again)."""
+  jax = sys.modules.get("jax")
+  directory = jax.config.jax_compilation_cache_dir if jax is not None else None
+  if not directory:
+    return {}
+  return {"JAX_COMPILATION_CACHE_DIR": str(directory),
+          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS":
+              str(jax.config.jax_persistent_cache_min_compile_time_secs)}
 
 
 def _child_main(target: str, args: tuple, cores: list[int] | None) -> None:
