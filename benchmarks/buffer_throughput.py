@@ -11,16 +11,20 @@ sample of the 4-producer run (1-producer figures are reported too).
 
 `--cross_process`: the buffer is served by `runtime.buffer_service` (the learner's side) and
 `--producer_processes` spawned processes (default 2) admit groups and put each group with one
-`put_many` call over the real transport (multiprocessing.connection on 127.0.0.1, pickled
-samples); the consumer takes groups in the buffer's own process, as the learner does. Reported:
-samples/s through put + get, and p50 / p99 latency from the producer's send (stamped 'created'
-just before `put_many`) to `get_groups` returning, in ms.
+`put_many` call over the real transport (multiprocessing.connection on 127.0.0.1); the consumer
+takes groups in the buffer's own process, as the learner does. It runs once per transport of
+`--transports` (default: 'pickle', every Sample pickled, then 'columnar', one
+`wire.encode_samples` blob per batch) and reports them side by side: samples/s through put +
+get, p50 / p99 latency from the producer's send (stamped 'created' just before `put_many`) to
+`get_groups` returning, in ms, and the 1-minute load average at the start and end of each run.
+`--out PATH` also writes the JSON line to PATH.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import threading
 import time
 
@@ -98,11 +102,11 @@ def run(num_producers: int, num_samples: int, group_size: int, groups_per_versio
 
 
 def produce_remote(address, authkey, producer: int, num_groups: int, group_size: int,
-                   go) -> None:
+                   go, transport: str = "columnar") -> None:
   """In a producer process: builds its samples, waits for `go`, then admits and puts them."""
   from jaxrl_async.runtime.buffer_service import RemoteBufferClient
   groups = make_samples(num_groups, group_size, producer * num_groups)
-  buffer = RemoteBufferClient(address, authkey, f"producer-{producer}")
+  buffer = RemoteBufferClient(address, authkey, f"producer-{producer}", transport=transport)
   buffer.acquire_group_slots(1, 0)  # connect before the timed region
   buffer.put_many(groups[0], TIMEOUT_S)
   go.wait(TIMEOUT_S)
@@ -116,9 +120,13 @@ def produce_remote(address, authkey, producer: int, num_groups: int, group_size:
   buffer.disconnect()
 
 
+def load_average() -> float:
+  return round(os.getloadavg()[0], 2)
+
+
 def run_cross_process(num_producers: int, num_samples: int, group_size: int,
                       groups_per_version: int, staleness_threshold: float,
-                      groups_per_batch: int) -> dict[str, float]:
+                      groups_per_batch: int, transport: str = "columnar") -> dict[str, float]:
   import multiprocessing as mp
 
   from jaxrl_async.runtime import child
@@ -131,13 +139,14 @@ def run_cross_process(num_producers: int, num_samples: int, group_size: int,
   service = BufferService(buffer).start()
   go = mp.get_context("spawn").Event()
   producers = [child.spawn(f"{produce_remote.__module__}:produce_remote",
-                           (service.address, service.authkey, p, per_producer, group_size, go),
-                           name=f"producer-{p}") for p in range(num_producers)]
+                           (service.address, service.authkey, p, per_producer, group_size, go,
+                            transport), name=f"producer-{p}") for p in range(num_producers)]
   latencies, consumed_groups = [], 0
   try:
     # Each producer's first group (put before the timed region) proves it is connected.
     first = buffer.get_groups(num_producers, 0, TIMEOUT_S * 4)
     consumed_groups += len(first)
+    load_start = load_average()
     start = time.perf_counter()
     go.set()
     learner_version, in_version = 0, len(first)
@@ -152,6 +161,7 @@ def run_cross_process(num_producers: int, num_samples: int, group_size: int,
         learner_version, in_version = learner_version + 1, in_version - groups_per_version
         buffer.publish_version(learner_version)
     elapsed = time.perf_counter() - start
+    load_end = load_average()
     for process in producers:
       process.join(TIMEOUT_S)
       if process.exitcode != 0:
@@ -163,9 +173,27 @@ def run_cross_process(num_producers: int, num_samples: int, group_size: int,
     service.stop()
   buffer.check_invariants()
   latency_ms = 1e3 * np.asarray(latencies)
-  return {"samples_per_s": latency_ms.size / elapsed,
-          "latency_ms_p50": float(np.percentile(latency_ms, 50)),
-          "latency_ms_p99": float(np.percentile(latency_ms, 99))}
+  return {"samples_per_s": round(latency_ms.size / elapsed),
+          "latency_ms_p50": round(float(np.percentile(latency_ms, 50)), 4),
+          "latency_ms_p99": round(float(np.percentile(latency_ms, 99)), 4),
+          "load_avg_1m_start": load_start, "load_avg_1m_end": load_end}
+
+
+def cross_process_report(transports: list[str], **kwargs) -> dict:
+  """One cross-process run per transport, in order, side by side."""
+  results = {transport: run_cross_process(transport=transport, **kwargs)
+             for transport in transports}
+  report = {"benchmark": "buffer_throughput", "mode": "cross_process",
+            "transport": "multiprocessing.connection 127.0.0.1, one put_many per group",
+            "producer_processes": kwargs["num_producers"], "samples": kwargs["num_samples"],
+            "group_size": kwargs["group_size"],
+            "groups_per_version": kwargs["groups_per_version"],
+            "staleness_threshold": kwargs["staleness_threshold"],
+            "groups_per_batch": kwargs["groups_per_batch"], "transports": results}
+  if "pickle" in results and "columnar" in results:
+    report["columnar_vs_pickle_samples_per_s"] = round(
+        results["columnar"]["samples_per_s"] / results["pickle"]["samples_per_s"], 2)
+  return report
 
 
 def main() -> None:
@@ -178,24 +206,26 @@ def main() -> None:
   parser.add_argument("--cross_process", action="store_true",
                       help="producers in other processes, over the buffer service")
   parser.add_argument("--producer_processes", type=int, default=2)
+  parser.add_argument("--transports", default="pickle,columnar",
+                      help="comma-separated RemoteBufferClient transports to compare")
+  parser.add_argument("--out", default=None, help="also write the JSON line to this file")
   args = parser.parse_args()
   kwargs = dict(num_samples=args.samples, group_size=args.group_size,
                 groups_per_version=args.groups_per_version,
                 staleness_threshold=args.staleness_threshold,
                 groups_per_batch=args.groups_per_batch)
   if args.cross_process:
-    result = run_cross_process(num_producers=args.producer_processes, **kwargs)
-    print(json.dumps({
-        "benchmark": "buffer_throughput", "mode": "cross_process",
-        "transport": "multiprocessing.connection 127.0.0.1, one put_many per group",
-        "producer_processes": args.producer_processes, "samples": args.samples,
-        "group_size": args.group_size, "groups_per_version": args.groups_per_version,
-        "staleness_threshold": args.staleness_threshold,
-        "groups_per_batch": args.groups_per_batch,
-        "samples_per_s": round(result["samples_per_s"]),
-        "latency_ms_p50": round(result["latency_ms_p50"], 4),
-        "latency_ms_p99": round(result["latency_ms_p99"], 4),
-    }))
+    from jaxrl_async.runtime.buffer_service import TRANSPORTS
+    transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    unknown = sorted(set(transports) - set(TRANSPORTS))
+    if unknown or not transports:
+      parser.error(f"--transports: {unknown or 'none'} not in {TRANSPORTS}")
+    line = json.dumps(cross_process_report(transports, num_producers=args.producer_processes,
+                                           **kwargs))
+    print(line)
+    if args.out:
+      with open(args.out, "w", encoding="utf-8") as f:
+        f.write(line + "\n")
     return
   one = run(num_producers=1, **kwargs)
   four = run(num_producers=4, **kwargs)
