@@ -226,10 +226,8 @@ class BufferService:
     """`get_groups` as (group sizes, one `wire.encode_samples` blob of all their samples), or
     (None, the groups) when a sample is not `wire.columnar`."""
     groups = self._rpc_get_groups(client, num_groups, learner_version, timeout)
-    samples = [sample for group in groups for sample in group]
-    if not all(map(wire.columnar, samples)):
-      return None, groups
-    return [len(group) for group in groups], wire.encode_samples(samples)
+    blob = wire.try_encode_samples([sample for group in groups for sample in group])
+    return (None, groups) if blob is None else ([len(group) for group in groups], blob)
 
   def _rpc_close(self, client):
     del client
@@ -359,10 +357,11 @@ class RemoteBufferClient(ForwardingBufferClient):
       conn.close()
 
   def put_many(self, samples, timeout):
-    if self.transport == "columnar" and samples and all(map(wire.columnar, samples)):
-      self._call("put_columns", wire.encode_samples(samples), timeout, timeout=timeout)
-    else:
+    blob = wire.try_encode_samples(samples) if self.transport == "columnar" and samples else None
+    if blob is None:
       super().put_many(samples, timeout)
+    else:
+      self._call("put_columns", blob, timeout, timeout=timeout)
 
   def get_groups(self, num_groups, learner_version, timeout):
     if self.transport != "columnar":
