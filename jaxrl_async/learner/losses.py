@@ -263,6 +263,63 @@ def entropy_from_logits(logits: jax.Array, mask: jax.Array | None = None,
   return jnp.where(mask > 0, entropy, 0.0)
 
 
+def _check_chunk_size(chunk_size) -> None:
+  if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
+    raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+
+
+def chunked_logprobs_and_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array,
+                                 project, temperature: float = 1.0,
+                                 chunk_size: int = 64) -> tuple[jax.Array, jax.Array]:
+  """`token_logprobs` and `entropy_from_logits` from hidden states, chunk_size positions at a time.
+
+  The [B, T, V] logits never exist at once: the positions are cut into chunks (the last one
+  padded), and each chunk's [B, chunk_size, V] logits are computed, reduced to a logprob and an
+  entropy per token, and dropped (`jax.lax.map`). Each chunk is wrapped in `jax.checkpoint`, so
+  the backward pass recomputes its logits instead of storing them: memory for the logits is
+  O(B * chunk_size * V) in both passes. The arithmetic per token is that of the unchunked
+  functions, so the results agree to float32 rounding.
+
+  Args:
+    hidden: [B, T, D] final hidden states (after the final norm).
+    head: [D, V] the unembedding.
+    targets: [B, T] int in [0, V).
+    project: (hidden [B, c, D], head) -> float32 logits [B, c, V] (`model.project_logits`).
+    temperature: > 0.
+    chunk_size: positions per chunk, >= 1 (need not divide T).
+
+  Returns:
+    (logprobs [B, T], entropy [B, T]), float32, unmasked.
+  """
+  check_number("temperature", temperature, 0.0, low_inclusive=False)
+  _check_chunk_size(chunk_size)
+  hidden, head, targets = jnp.asarray(hidden), jnp.asarray(head), jnp.asarray(targets)
+  assert hidden.ndim == 3, f"hidden must be [B, T, D], got shape {hidden.shape}"
+  assert targets.shape == hidden.shape[:2], (
+      f"targets must be [B, T] = {hidden.shape[:2]}, got {targets.shape}")
+  batch, length, dim = hidden.shape
+  chunk_size = max(1, min(chunk_size, length))  # no padding beyond one short sequence
+  chunks = -(-length // chunk_size)
+  pad = chunks * chunk_size - length
+  hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+  targets = jnp.pad(targets.astype(jnp.int32), ((0, 0), (0, pad)))
+  hidden = hidden.reshape(batch, chunks, chunk_size, dim).transpose(1, 0, 2, 3)
+  targets = targets.reshape(batch, chunks, chunk_size).transpose(1, 0, 2)
+
+  @jax.checkpoint
+  def one_chunk(head, hidden_chunk, target_chunk):
+    logits = project(hidden_chunk, head)
+    return (token_logprobs(logits, target_chunk, temperature),
+            entropy_from_logits(logits, None, temperature))
+
+  logp, entropy = jax.lax.map(lambda xs: one_chunk(head, *xs), (hidden, targets))
+
+  def unchunk(x):
+    return x.transpose(1, 0, 2).reshape(batch, chunks * chunk_size)[:, :length]
+
+  return unchunk(logp), unchunk(entropy)
+
+
 # ---- the learner's objective --------------------------------------------------------------------
 def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask: jax.Array, *,
                 behaviour_logp: jax.Array | None = None, ref_logp: jax.Array | None = None,

@@ -33,6 +33,7 @@ from jaxrl_async.learner import advantages as advantages_lib
 from jaxrl_async.learner import losses, proximal
 from jaxrl_async.learner.batching import TrainBatch
 from jaxrl_async.model import apply
+from jaxrl_async.model.decoder import project_logits, unembedding
 
 PROXIMAL_SOURCES = ("recompute", "loglinear", "rollout")
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -58,8 +59,16 @@ class LearnerConfig:
   proximal_logprob: str = "recompute"
   is_cap: float | None = 5.0
   is_cap_mode: str = "mask"
+  # Positions per chunk of the logprob/entropy computation (`losses.chunked_logprobs_and_entropy`):
+  # the [R, T, V] float32 logits are never materialised, and the backward pass recomputes each
+  # chunk's. 0: unchunked (the full logits, as the engine computes them).
+  logit_chunk_size: int = 64
 
   def __post_init__(self):
+    if (isinstance(self.logit_chunk_size, bool) or not isinstance(self.logit_chunk_size, int)
+        or self.logit_chunk_size < 0):
+      raise ValueError("logit_chunk_size must be an int >= 0 (0: unchunked), got "
+                       f"{self.logit_chunk_size!r}")
     if not self.learning_rate > 0:
       raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
     if self.weight_decay < 0:
@@ -138,15 +147,38 @@ def sequence_logprobs(graphdef, params, tokens, temperature: float, positions=No
   return jnp.pad(logp, ((0, 0), (1, 0))), logits
 
 
+def sequence_logprobs_and_entropy(graphdef, params, tokens, temperature: float, positions=None,
+                                  segment_ids=None, chunk_size: int = 0):
+  """(logprobs [R, T] as `sequence_logprobs`, per-token entropy [R, T - 1] of the distributions
+  that predicted tokens[:, 1:], unmasked).
+
+  chunk_size > 0: from the final hidden states, chunk_size positions at a time
+  (`losses.chunked_logprobs_and_entropy`), never holding the [R, T, V] logits; 0: from the full
+  logits.
+  """
+  if chunk_size == 0:
+    logp, logits = sequence_logprobs(graphdef, params, tokens, temperature, positions,
+                                     segment_ids)
+    return logp, losses.entropy_from_logits(logits, None, temperature)
+  positions = None if positions is None else positions[:, :-1]
+  segment_ids = None if segment_ids is None else segment_ids[:, :-1]
+  hidden, _ = apply(graphdef, params, tokens[:, :-1], positions, segment_ids=segment_ids,
+                    return_hidden=True)
+  logp, entropy = losses.chunked_logprobs_and_entropy(
+      hidden, unembedding(params), tokens[:, 1:], project_logits, temperature, chunk_size)
+  return jnp.pad(logp, ((0, 0), (1, 0))), entropy
+
+
 def _loss_fn(params, graphdef, config: LearnerConfig, batch: TrainBatch, anchor_logp,
              proximal_version, current_version):
   assert batch.tokens.ndim == 2, batch.tokens.shape
-  logp, logits = sequence_logprobs(graphdef, params, batch.tokens, config.temperature,
-                                   batch.positions, batch.segment_ids)
+  logp, entropy = sequence_logprobs_and_entropy(
+      graphdef, params, batch.tokens, config.temperature, batch.positions, batch.segment_ids,
+      config.logit_chunk_size)
   logp = logp[:, 1:]
   mask = batch.response_mask[:, 1:]
   behaviour = batch.behaviour_logprobs[:, 1:]
-  entropy = losses.entropy_from_logits(logits, mask, config.temperature)
+  entropy = jnp.where(mask > 0, entropy, 0.0)
   if config.use_rollout_log_probs:
     anchor, behaviour_arg = behaviour, None
   elif config.proximal_logprob == "loglinear":
@@ -212,13 +244,18 @@ def make_update_fn(graphdef, config: LearnerConfig, group_size: int, state_sh):
   return jax.jit(update, donate_argnums=(0,), out_shardings=(state_sh, None))
 
 
-def make_logprob_fn(graphdef, temperature: float):
+def make_logprob_fn(graphdef, temperature: float, chunk_size: int = 0):
   """Jitted `logprobs(params, tokens, positions=None, segment_ids=None) -> [R, T]` (the
   'recompute' anchor, the reference policy and evaluation); packed rows pass positions and
-  segment ids."""
+  segment ids. chunk_size: as `LearnerConfig.logit_chunk_size` (0: the full logits)."""
+  if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 0:
+    raise ValueError(f"chunk_size must be an int >= 0 (0: unchunked), got {chunk_size!r}")
 
   def logprobs(params, tokens, positions=None, segment_ids=None):
-    return sequence_logprobs(graphdef, params, tokens, temperature, positions, segment_ids)[0]
+    if chunk_size == 0:
+      return sequence_logprobs(graphdef, params, tokens, temperature, positions, segment_ids)[0]
+    return sequence_logprobs_and_entropy(graphdef, params, tokens, temperature, positions,
+                                         segment_ids, chunk_size)[0]
 
   return jax.jit(logprobs)
 

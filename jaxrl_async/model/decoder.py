@@ -196,7 +196,10 @@ class Decoder(nnx.Module):
       self.lm_head = _param(rngs, nnx.initializers.normal(stddev=config.d_model ** -0.5),
                             (config.d_model, config.vocab_size), ("embed", "vocab"), pd)
 
-  def __call__(self, tokens, positions=None, cache: KVCache | None = None, segment_ids=None):
+  def __call__(self, tokens, positions=None, cache: KVCache | None = None, segment_ids=None,
+               return_hidden: bool = False):
+    """return_hidden: the final-normed hidden states [B, T, D] (compute dtype) instead of the
+    logits; `project_logits(hidden, unembedding(params))` gives the logits."""
     if tokens.ndim != 2:
       raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
     if segment_ids is not None:
@@ -223,14 +226,30 @@ class Decoder(nnx.Module):
         new_keys.append(layer_new[0])
         new_values.append(layer_new[1])
     x = self.final_norm(x)
-    head = self.embed[...].T if self.config.tie_embeddings else self.lm_head[...]
-    if dtype == jnp.float32:
-      logits = jnp.einsum("btd,dv->btv", x.astype(jnp.float32), head.astype(jnp.float32))
-    else:  # no float32 copy of the (large) head; accumulate in float32
-      logits = jnp.einsum("btd,dv->btv", x, head.astype(dtype),
-                          preferred_element_type=jnp.float32)
     new_cache = None if cache is None else KVCache(tuple(new_keys), tuple(new_values))
-    return logits, new_cache
+    if return_hidden:
+      return x, new_cache
+    head = self.embed[...].T if self.config.tie_embeddings else self.lm_head[...]
+    return project_logits(x, head), new_cache
+
+
+def project_logits(hidden: jax.Array, head: jax.Array) -> jax.Array:
+  """The unembedding: hidden [..., D] (after the final norm) @ head [D, V] -> float32 logits.
+
+  The decoder's own head, so that logits computed from returned hidden states (e.g. in chunks)
+  equal the decoder's.
+  """
+  if hidden.dtype == jnp.float32:
+    return jnp.einsum("...d,dv->...v", hidden, head.astype(jnp.float32))
+  # no float32 copy of the (large) head; accumulate in float32
+  return jnp.einsum("...d,dv->...v", hidden, head.astype(hidden.dtype),
+                    preferred_element_type=jnp.float32)
+
+
+def unembedding(params) -> jax.Array:
+  """The head [D, V] of a params dict (`split_model`): lm_head, or the tied embedding's
+  transpose."""
+  return params["lm_head"] if "lm_head" in params else params["embed"].T
 
 
 @nnx.remat
@@ -267,7 +286,10 @@ def abstract_params(config: ModelConfig):
 
 
 def apply(graphdef, params, tokens, positions=None, cache: KVCache | None = None,
-          segment_ids=None):
-  """Pure forward pass: merge the module inside the traced function and run it."""
+          segment_ids=None, return_hidden: bool = False):
+  """Pure forward pass: merge the module inside the traced function and run it.
+
+  return_hidden: (final hidden states [B, T, D], cache) instead of (logits, cache).
+  """
   model = nnx.merge(graphdef, params)
-  return model(tokens, positions, cache, segment_ids)
+  return model(tokens, positions, cache, segment_ids, return_hidden=return_hidden)
