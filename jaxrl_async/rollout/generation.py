@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -57,15 +58,30 @@ def sample_keys(seed: int, group_id: int, members) -> np.ndarray:
   return np.asarray(_member_keys(np.uint32(seed), np.uint32(group_id), members), np.uint32)
 
 
+def stop_id_set(eos_id: int, stop_ids: Sequence[int] = ()) -> frozenset[int]:
+  """The ids that end a sample: eos_id (unless -1) and stop_ids, checked to be ints."""
+  ids = [] if eos_id == -1 else [eos_id]
+  ids += list(stop_ids)
+  for i in ids:
+    if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or i < 0:
+      raise ValueError(f"stop ids must be ints >= 0 (eos_id may be -1: none), got eos_id="
+                       f"{eos_id!r}, stop_ids={tuple(stop_ids)!r}")
+  return frozenset(int(i) for i in ids)
+
+
 class ContinuousBatcher:
   """Host-side scheduler over an `Engine`; not thread-safe (one rollout thread owns it)."""
 
   def __init__(self, engine: Engine, *, eos_id: int, max_response_len: int,
-               clock=time.time):
+               stop_ids: Sequence[int] = (), clock=time.time):
+    """eos_id, stop_ids: a sample finishes (FinishReason.EOS, the token kept) at the first of
+    them it draws, e.g. a tokenizer's `stop_ids` (its eos and the generation config's); -1
+    for eos_id: none."""
     if max_response_len < 1:
       raise ValueError(f"max_response_len must be >= 1, got {max_response_len}")
     self.engine = engine
     self.eos_id = eos_id
+    self.stop_ids = stop_id_set(eos_id, stop_ids)
     self.max_response_len = max_response_len
     self.clock = clock
     self.params = None
@@ -170,7 +186,7 @@ class ContinuousBatcher:
         slot.log_probs.append(log_prob)
         slot.versions.append(self.version)
         self.tokens_generated += 1
-        if token == self.eos_id:
+        if token in self.stop_ids:
           finished.append(self._finish(i, FinishReason.EOS))
           break
         if len(slot.tokens) >= self.max_response_len:
