@@ -1,6 +1,11 @@
 """The policy a server serves: a run's checkpoint (the learner's params at a saved version), or
 an imported Hugging Face model directory (config.json, safetensors, tokenizer.json).
 
+A run whose `RunConfig.checkpoint` names a Hugging Face checkpoint (`model.weights.HFCheckpoint`)
+is served with that model's architecture, its tokenizer (unless the run binds a task, whose
+tokenizer it trained with) and its stop ids; before the run has saved a checkpoint, with the
+Hugging Face weights themselves (policy_version 0).
+
 A run directory holds `config.gin` (its operative config, read at the edge by `launch/serve.py`)
 and `checkpoints/<policy_version>/` written by `jaxrl_async.checkpoint.RunCheckpointer`, whose
 'state' item is {'step', 'params', 'opt_state'}. Only that item is read, onto one device.
@@ -39,14 +44,50 @@ def run_dir_of(path: str | os.PathLike) -> str:
   raise FileNotFoundError(f"no config.gin in {path!r} or its parent: is it a run directory?")
 
 
+def _saved_steps(path) -> bool:
+  path = os.path.abspath(os.fspath(path))
+  return any(os.path.isdir(p) and any(name.isdigit() for name in os.listdir(p))
+             for p in (os.path.join(path, "checkpoints"), path))
+
+
+def _run_model(config: RunConfig):
+  """(task, tokenizer, model_config) of a run: its model preset, or its HF checkpoint's model."""
+  if config.checkpoint is None:
+    task = config.task if config.task is not None else DigitReverseTask(config.seed)
+    cache_length = config.cache_length or task.max_sequence_len
+    return task, task.tokenizer, get_config(config.model, vocab_size=task.tokenizer.vocab_size,
+                                            max_seq_len=cache_length)
+  from jaxrl_async import controller
+  from jaxrl_async.tasks.hf_tokenizer import HFTokenizer
+  task = config.task if config.task is not None else DigitReverseTask(config.seed)
+  tokenizer = (task.tokenizer if config.task is not None
+               else HFTokenizer.from_dir(config.checkpoint.path))
+  cache_length = config.cache_length or task.max_sequence_len
+  model_config = controller.checkpoint_model_config(config.checkpoint, task, cache_length)
+  return task, tokenizer, model_config
+
+
 def policy_from_checkpoint(config: RunConfig, path: str | os.PathLike,
                            step: int | None = None) -> Policy:
-  """Load the learner params of a run's checkpoint (the latest unless `step`) as a Policy."""
+  """Load the learner params of a run's checkpoint (the latest unless `step`) as a Policy.
+
+  With `config.checkpoint` (an HFCheckpoint): the model is the checkpoint's, and a run with no
+  saved checkpoint yet (and no `step` asked for) serves the Hugging Face weights.
+  """
+  task, tokenizer, model_config = _run_model(config)
+  stop_ids = tuple(getattr(tokenizer, "stop_ids", ()))
+  if config.checkpoint is not None and step is None and not _saved_steps(path):
+    graphdef, _, _ = abstract_params(model_config)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    params = config.checkpoint.load(model_config)
+    params = jax.device_put(params, device)
+    return Policy(graphdef=graphdef, params=params, model_config=model_config,
+                  tokenizer=tokenizer, eos_id=tokenizer.eos_id, stop_ids=stop_ids,
+                  max_prefill_length=task.max_prompt_len,
+                  max_response_len=task.max_response_len, version=0,
+                  description=f"{config.checkpoint.path} (Hugging Face; the run has saved no "
+                              "checkpoint yet)")
   directory = checkpoint_dir(path)
-  task = config.task if config.task is not None else DigitReverseTask(config.seed)
-  cache_length = config.cache_length or task.max_sequence_len
-  model_config = get_config(config.model, vocab_size=task.tokenizer.vocab_size,
-                            max_seq_len=cache_length)
   graphdef, params, _ = abstract_params(model_config)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   tree = {"step": jax.ShapeDtypeStruct((), "int32"), "params": params,
@@ -63,8 +104,9 @@ def policy_from_checkpoint(config: RunConfig, path: str | os.PathLike,
   finally:
     manager.close()
   return Policy(graphdef=graphdef, params=restored["state"]["params"],
-                model_config=model_config, tokenizer=task.tokenizer,
-                eos_id=task.tokenizer.eos_id, max_prefill_length=task.max_prompt_len,
+                model_config=model_config, tokenizer=tokenizer,
+                eos_id=tokenizer.eos_id, stop_ids=stop_ids,
+                max_prefill_length=task.max_prompt_len,
                 max_response_len=task.max_response_len, version=int(step),
                 description=f"{directory} at policy_version {step}")
 
@@ -87,6 +129,7 @@ def policy_from_hf(directory: str | os.PathLike, *, max_seq_len: int | None = No
   graphdef, _, _ = abstract_params(model_config)
   params = weights.load_params(directory, model_config)
   return Policy(graphdef=graphdef, params=params, model_config=model_config,
-                tokenizer=tokenizer, eos_id=tokenizer.eos_id, max_prefill_length=max_prompt_len,
+                tokenizer=tokenizer, eos_id=tokenizer.eos_id,
+                stop_ids=tuple(tokenizer.stop_ids), max_prefill_length=max_prompt_len,
                 max_response_len=cache_length - max_prompt_len,
                 description=f"{os.path.abspath(os.fspath(directory))} (Hugging Face)")

@@ -47,6 +47,7 @@ class Policy:
   max_response_len: int
   version: int = 0
   description: str = ""
+  stop_ids: tuple = ()  # ids besides eos_id that end a response (a tokenizer's stop_ids)
 
 
 class BadRequest(ValueError):
@@ -194,7 +195,8 @@ class PolicyServer:
                          max_prefill_length=policy.max_prefill_length,
                          sampling=sampling or SamplingConfig(), steps_per_call=steps_per_call)
     batcher = StreamingBatcher(self.engine, eos_id=policy.eos_id,
-                               max_response_len=policy.max_response_len)
+                               max_response_len=policy.max_response_len,
+                               stop_ids=tuple(policy.stop_ids))
     self.driver = DecodeDriver(batcher, policy.params, seed=seed, version=policy.version)
     self._executor = concurrent.futures.ThreadPoolExecutor(
         max_workers=max_streams, thread_name_prefix="serve-grpc")
