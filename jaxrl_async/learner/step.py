@@ -61,8 +61,9 @@ class LearnerConfig:
   is_cap_mode: str = "mask"
   # Positions per chunk of the logprob/entropy computation (`losses.chunked_logprobs_and_entropy`):
   # the [R, T, V] float32 logits are never materialised, and the backward pass recomputes each
-  # chunk's. 0: unchunked (the full logits, as the engine computes them).
-  logit_chunk_size: int = 64
+  # chunk's; its logits take rows x logit_chunk_size x vocab float32 (several live at once).
+  # 0: unchunked (the full logits, as the engine computes them).
+  logit_chunk_size: int = 16
 
   def __post_init__(self):
     if (isinstance(self.logit_chunk_size, bool) or not isinstance(self.logit_chunk_size, int)
