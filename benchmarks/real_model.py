@@ -9,12 +9,15 @@ program (arguments, outputs, temporaries), for the update with and without gradi
 checkpointing (only the chosen one runs), and the process's peak resident memory.
 
     python benchmarks/real_model.py                      # 0.5B shapes, bfloat16, remat on
-    python benchmarks/real_model.py --skip_decode --learner_prompts 2   # a quarter of the batch
+    python benchmarks/real_model.py --skip_decode --no_remat   # the full update only, no remat
+    python benchmarks/real_model.py --logit_chunk_size 0   # full [R, T, V] logits (about 30 GB)
     python benchmarks/real_model.py --model tiny --prompt_len 8 --response_len 8   # smoke test
 
-The update is skipped (and says so) when XLA's account of it exceeds the memory available: on a
-24 GB machine the full batch (6,144 tokens, a 151,936-token vocabulary: float32 logits of 3.7 GB,
-several live at once) needs about 30 GB, so `--learner_prompts 2` trains a quarter of it.
+The learner computes logprobs and entropy from the final hidden states in chunks of
+`--logit_chunk_size` positions (`LearnerConfig.logit_chunk_size`), so the [32, 191, 151,936]
+float32 logits (3.7 GB, several live at once: about 30 GB with `--logit_chunk_size 0`) never
+exist. The update is still skipped (and says so) when XLA's account of it exceeds the memory
+available; `--learner_prompts N` then trains the first N prompts' groups only.
 
 Prints one JSON line (with the machine's load average: timings on a shared machine vary).
 """
@@ -91,6 +94,9 @@ def main(argv=None) -> int:
                            "memory account is still reported for the batch trained")
   parser.add_argument("--skip_decode", action="store_true",
                       help="no decode: the learner trains on random responses of the same shape")
+  parser.add_argument("--logit_chunk_size", type=int,
+                      default=step_lib.LearnerConfig.logit_chunk_size,
+                      help="positions per chunk of the learner's logprobs/entropy (0: full logits)")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--memory_margin_mb", type=float, default=3072,
                       help="skip the update when XLA's account of it exceeds the machine's "
@@ -163,7 +169,7 @@ def _learn(args, config, params, logical_axes, samples, decode, init_s, load):
     groups.setdefault(sample.group_id, []).append(sample)
   groups = [sorted(g, key=lambda s: s.meta["index_in_group"]) for _, g in sorted(groups.items())]
   groups = groups[:args.learner_prompts or len(groups)]
-  learner_config = step_lib.LearnerConfig()
+  learner_config = step_lib.LearnerConfig(logit_chunk_size=args.logit_chunk_size)
   mesh = sharding.make_mesh(sharding.MeshShape(data=1, fsdp=1, tensor=1), jax.devices()[:1])
   state = step_lib.init_train_state(params, learner_config.optimizer(), mesh, logical_axes)
   del params
@@ -205,7 +211,7 @@ def _learn(args, config, params, logical_axes, samples, decode, init_s, load):
       "decode_steps_per_call": args.decode_steps, "devices": str(jax.devices()[0].platform),
       "init_s": round(init_s, 2),
       "decode": decode,
-      "learner": {"groups": len(groups), "tokens": learner_tokens, "rows": int(batch.tokens.shape[0]),
+      "learner": {"logit_chunk_size": args.logit_chunk_size, "groups": len(groups), "tokens": learner_tokens, "rows": int(batch.tokens.shape[0]),
                   "seconds": round(update_s, 2), "ran": bool(np.isfinite(update_s)),
                   "tokens_per_s": round(learner_tokens / update_s, 2)},
       "memory": {**memory,

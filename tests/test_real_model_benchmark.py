@@ -3,6 +3,7 @@
 import json
 
 from benchmarks import real_model
+from jaxrl_async.learner.step import LearnerConfig
 
 
 def test_real_model_benchmark_reports_decode_learner_and_memory(tmp_path):
@@ -15,6 +16,7 @@ def test_real_model_benchmark_reports_decode_learner_and_memory(tmp_path):
   assert record["remat"] is True and record["model"] == "tiny"
   assert record["decode"]["tokens"] == 2 * 2 * 6 and record["decode"]["tokens_per_s"] > 0
   assert record["learner"]["ran"] and record["learner"]["tokens"] == 2 * 2 * (8 + 6)
+  assert record["learner"]["logit_chunk_size"] == LearnerConfig.logit_chunk_size > 0
   for variant in ("update_remat", "update_no_remat"):
     assert record["memory"][variant]["argument_mb"] > 0
   assert record["memory"]["peak_rss_mb"] > 0 and len(record["load_average_1_5_15"]) == 3
