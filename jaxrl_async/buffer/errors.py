@@ -29,6 +29,8 @@ def is_finite_real(value: Any) -> bool:
 
 def check_timeout(call: str, timeout: float) -> float:
   """Validates a blocking call's timeout and returns its deadline on `time.monotonic`."""
+  if (type(timeout) is float or type(timeout) is int) and 0 < timeout < math.inf:
+    return time.monotonic() + timeout  # the common case, without the ABC checks
   if not (is_finite_real(timeout) and timeout > 0):
     raise ValueError(f"{call}: timeout={timeout!r} must be a finite number of seconds > 0")
   return time.monotonic() + timeout

@@ -108,6 +108,8 @@ def sample_min_version(sample: Sample) -> int | None:
 
 def index_in_group(sample: Sample, group_size: int) -> int:
   index = sample.meta.get("index_in_group", 0)
+  if type(index) is int and 0 <= index < group_size:  # the common case, without the ABC check
+    return index
   if isinstance(index, numbers.Integral) and not isinstance(index, bool):
     index = int(index)
   if not isinstance(index, int) or not 0 <= index < group_size:

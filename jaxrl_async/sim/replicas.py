@@ -28,6 +28,7 @@ from jaxrl_async.types import Sample
 
 _EMPTY_PROMPT = np.zeros((1,), np.int32)
 _DRAW_BATCH = 8192
+_UNIFORM_CACHE = 4096  # cached (version, units) arrays before the cache is cleared
 
 
 class SimSample(Sample):
@@ -53,6 +54,15 @@ class SimSample(Sample):
   @property
   def is_partial(self) -> bool:
     return self._newest > self._oldest
+
+
+def make_sample(template: SimSample, **fields) -> SimSample:
+  """A SimSample with `template`'s fields replaced by `fields`, without the dataclass's
+  validation: the simulator builds every array itself, with one entry per response unit."""
+  sample = SimSample.__new__(SimSample)
+  sample.__dict__.update(template.__dict__)
+  sample.__dict__.update(fields)
+  return sample
 
 
 class Generation:
@@ -129,6 +139,9 @@ class ReplicaPool:
     self.reward_busy_s = 0.0
     self.generated_tokens = 0
     self._zeros: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    self._uniform: dict[tuple[int, int], np.ndarray] = {}
+    self._template = SimSample(prompt_id=0, group_id=0, group_size=self.group_size,
+                               prompt_tokens=_EMPTY_PROMPT, reward=1.0).set_versions(0, 0)
     self._streams: dict[str, list] = {}
 
   # ---- requests -------------------------------------------------------------------------------
@@ -141,7 +154,10 @@ class ReplicaPool:
                "failed": lambda: self.rng.random(size) < prof.reward_fail_prob,
                "latency": lambda: prof.reward_latency.sample(self.rng, size)}[name]().tolist()
       queue = self._streams[name] = fresh[::-1] + (queue or [])  # pop() takes the oldest
-    return [queue.pop() for _ in range(count)]
+    taken = queue[-count:]
+    del queue[-count:]
+    taken.reverse()
+    return taken
 
   def new_group(self, group_id: int, group_size: int) -> list[Generation]:
     lengths = self._draws("length", group_size)
@@ -227,7 +243,7 @@ class ReplicaPool:
       gen.segments.append((replica.version, done))
     segments = gen.segments
     if len(segments) == 1:
-      token_versions = np.full(segments[0][1], segments[0][0], np.int32)
+      token_versions = self._uniform_versions(segments[0][0], segments[0][1])
     else:
       versions, counts = zip(*segments)
       token_versions = np.repeat(np.asarray(versions, np.int32), counts)
@@ -236,15 +252,26 @@ class ReplicaPool:
       zeros = self._zeros[gen.units] = (np.zeros(gen.units, np.int32),
                                         np.zeros(gen.units, np.float32))
     now = self.clock.now
-    return SimSample(prompt_id=gen.group_id, group_id=gen.group_id, group_size=self.group_size,
-                  prompt_tokens=_EMPTY_PROMPT, response_tokens=zeros[0],
-                  behaviour_logprobs=zeros[1], token_versions=token_versions,
-                  finish_reason="length" if gen.truncated else "eos",
-                  reward=1.0, reward_status="failed" if gen.failed else "ok",
-                  interruptions=gen.interruptions,
-                  timestamps={"created": now, "generated": now},
-                  meta={"index_in_group": gen.index, "tokens": gen.tokens}).set_versions(
-                      segments[0][0], segments[-1][0])  # versions only grow along a response
+    return make_sample(
+        self._template, prompt_id=gen.group_id, group_id=gen.group_id,
+        response_tokens=zeros[0], behaviour_logprobs=zeros[1], token_versions=token_versions,
+        finish_reason="length" if gen.truncated else "eos",
+        reward_status="failed" if gen.failed else "ok", interruptions=gen.interruptions,
+        timestamps={"created": now, "generated": now},
+        meta={"index_in_group": gen.index, "tokens": gen.tokens},
+        _oldest=segments[0][0], _newest=segments[-1][0])  # versions only grow along a response
+
+  def _uniform_versions(self, version: int, units: int) -> np.ndarray:
+    """A read-only int32 array of `units` entries equal to `version`, shared between samples
+    (most responses run under one version; nothing downstream writes into token_versions)."""
+    key = (version, units)
+    array = self._uniform.get(key)
+    if array is None:
+      if len(self._uniform) >= _UNIFORM_CACHE:
+        self._uniform.clear()
+      array = self._uniform[key] = np.full(units, version, np.int32)
+      array.flags.writeable = False
+    return array
 
   def score(self, samples: list[Sample]) -> None:
     """Hands one step's finished samples to the reward scorers as a batch (each sample to the

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from jaxrl_async.config import RunConfig
 from jaxrl_async.metrics import staleness_metrics
 from jaxrl_async.sim import profile_from_dict, simulate
-from jaxrl_async.sim.replicas import SimSample
+from jaxrl_async.sim.replicas import SimSample, make_sample
 
 # Fixed response length L, one replica with room for a whole version: a version takes
 # L decode steps + one update + one sync, in every mode where nothing overlaps.
@@ -147,3 +147,22 @@ def test_random_profiles_keep_the_gap_bound_and_the_accounting(setup):
   if config.mode != "sync" and profile.reward_fail_prob == 0 and config.max_version_gap is None:
     assert counts["consumed"] == num_versions * config.samples_per_version
   assert result.summary["consumed_samples"] == counts["consumed"]
+
+
+def test_made_samples_match_validated_ones_and_share_read_only_versions():
+  prompt = np.zeros(1, np.int32)
+  template = SimSample(prompt_id=0, group_id=0, group_size=4, prompt_tokens=prompt,
+                       reward=1.0).set_versions(0, 0)
+  versions = np.full(3, 7, np.int32)
+  versions.flags.writeable = False
+  fields = dict(prompt_id=5, group_id=5, response_tokens=np.zeros(3, np.int32),
+                behaviour_logprobs=np.zeros(3, np.float32), token_versions=versions,
+                finish_reason="eos", reward_status="ok", interruptions=1,
+                meta={"index_in_group": 2, "tokens": 3})
+  made = make_sample(template, **fields, _oldest=7, _newest=7)
+  checked = SimSample(group_size=4, prompt_tokens=prompt, reward=1.0,
+                      **fields).set_versions(7, 7)
+  assert made.uid == checked.uid == (5, 2)
+  assert made.to_dict() == checked.to_dict()
+  assert made.min_version == 7 and not made.is_partial
+  assert not made.token_versions.flags.writeable  # shared between samples: nobody writes it
