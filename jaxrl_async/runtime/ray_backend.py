@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from jaxrl_async import sharding
-from jaxrl_async.runtime.interfaces import BufferClient
+from jaxrl_async.runtime.buffer_service import ForwardingBufferClient
 from jaxrl_async.sync.channel import WeightChannel, tree_bytes
 
 # Seconds a Ray call may take beyond its own timeout (scheduling, serialization).
@@ -272,9 +272,10 @@ def start_buffer_actor(buffer_kwargs: dict[str, Any], **placement):
   return buffer_actor_class().options(**options).remote(buffer_kwargs)
 
 
-class RayBufferClient(BufferClient):
+class RayBufferClient(ForwardingBufferClient):
   """A `BufferClient` for a `BufferActor`, from any process of the Ray cluster; picklable (it
-  carries the actor handle and its client id), thread-safe."""
+  carries the actor handle and its client id), thread-safe. Its calls are the buffer service's
+  (`ForwardingBufferClient`), each one Ray call to the actor."""
 
   def __init__(self, actor, client_id: str, *, margin_s: float = RPC_MARGIN_S):
     self.actor = actor
@@ -294,7 +295,7 @@ class RayBufferClient(BufferClient):
 
   def put_many(self, samples, timeout):
     self._empty = None  # a put can complete or drop a group, which frees admission
-    self._call("put_many", list(samples), timeout, timeout=timeout)
+    super().put_many(samples, timeout)
 
   def acquire_group_slots(self, max_count, timeout, *, starts=None, holding_version=None):
     # A rollout server asks (timeout 0) between decode steps; after an empty answer it asks
@@ -302,8 +303,8 @@ class RayBufferClient(BufferClient):
     now = time.monotonic()
     if timeout == 0 and self._empty == (holding_version, ) and now < self._empty_until:
       return 0
-    count = self._call("acquire_group_slots", max_count, timeout, starts=starts,
-                       holding_version=holding_version, timeout=timeout)
+    count = super().acquire_group_slots(max_count, timeout, starts=starts,
+                                        holding_version=holding_version)
     if count == 0 and timeout == 0:
       self._empty, self._empty_until = (holding_version, ), now + ACQUIRE_BACKOFF_S
     else:
@@ -312,25 +313,7 @@ class RayBufferClient(BufferClient):
 
   def publish_version(self, version):
     self._empty = None
-    self._call("publish_version", version)
-
-  def get_groups(self, num_groups, learner_version, timeout):
-    return self._call("get_groups", num_groups, learner_version, timeout, timeout=timeout)
-
-  def close(self):
-    self._call("close")
-
-  def get_state(self):
-    return self._call("get_state")
-
-  def set_state(self, state):
-    self._call("set_state", state)
-
-  def metrics(self):
-    return self._call("metrics")
-
-  def counts(self):
-    return self._call("counts")
+    super().publish_version(version)
 
 
 # ---- the weights -------------------------------------------------------------------------------

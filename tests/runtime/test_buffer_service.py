@@ -1,12 +1,17 @@
 """The buffer service's bookkeeping for rollout servers: the groups each client started and has
 not put (handed over when it is revoked), the prompt position, the version rule for several
-servers; and a producer in another process."""
+servers; a producer in another process; both transports; a dead or silent service fails
+clearly within a timeout."""
 
 import json
+import threading
+import time
 
+import numpy as np
 import pytest
 
-from jaxrl_async.runtime import child
+from jaxrl_async.buffer import BufferClosed
+from jaxrl_async.runtime import child, wire
 from jaxrl_async.runtime.buffer_service import BufferService, ClientRevoked, RemoteBufferClient
 from tests.buffer.factory import make_buffer, make_group
 
@@ -97,3 +102,59 @@ def test_a_producer_in_another_process(service, tmp_path):
   counts = service.buffer.counts
   assert counts["put"] == 8 == counts["consumed"]
   consumer.disconnect()
+
+
+def test_a_stopped_service_fails_calls_clearly_within_a_timeout():
+  buffer = make_buffer(group_size=2, groups_per_version=2)
+  served = BufferService(buffer).start()
+  producer = client(served, "a")
+  assert producer.counts()["put"] == 0
+  served.stop()
+  started = time.monotonic()
+  with pytest.raises(BufferClosed, match="gone"):
+    producer.counts()  # the open connection was closed by the service
+  with pytest.raises(BufferClosed, match="gone"):
+    producer.counts()  # a new connection is refused
+  assert time.monotonic() - started < 5.0
+  producer.disconnect()
+
+
+def test_a_silent_service_times_out_instead_of_hanging():
+  release = threading.Event()
+
+  def handler(method, args, kwargs):
+    if method != "hello":
+      release.wait(30.0)
+
+  server = wire.Server(lambda conn: handler, b"key", name="silent")
+  server.start()
+  silent = RemoteBufferClient(server.address, b"key", "a", margin_s=0.2)
+  started = time.monotonic()
+  with pytest.raises(wire.ServiceTimeout, match="get_groups"):
+    silent.get_groups(1, 0, timeout=0.1)
+  assert time.monotonic() - started < 5.0
+  release.set()
+  silent.disconnect()
+  server.stop()
+
+
+@pytest.mark.parametrize("transport", ["columnar", "pickle"])
+def test_both_transports_carry_samples_exactly(service, transport):
+  producer = RemoteBufferClient(service.address, service.authkey, "a", margin_s=5.0,
+                                transport=transport)
+  assert producer.acquire_group_slots(1, 0) == 1
+  group = make_group(0, 2)
+  group[1].behaviour_logprobs[:] = [np.nan, -0.0]
+  group[1].meta["answer"] = {"text": "42", "steps": [1, 2]}
+  producer.put_many(group, timeout=5.0)
+  (got,) = producer.get_groups(1, 0, timeout=5.0)
+  for mine, theirs in zip(got, group, strict=True):
+    assert mine.behaviour_logprobs.tobytes() == theirs.behaviour_logprobs.tobytes()
+    assert mine.response_tokens.tolist() == theirs.response_tokens.tolist()
+    assert mine.meta == theirs.meta and set(mine.timestamps) == {"enqueued", "consumed"}
+  producer.disconnect()
+
+
+def test_a_bad_transport_is_refused(service):
+  with pytest.raises(ValueError, match="transport"):
+    RemoteBufferClient(service.address, service.authkey, "a", transport="carrier-pigeon")
