@@ -102,8 +102,9 @@ class ReadyGroup:
 
 
 def sample_min_version(sample: Sample) -> int | None:
-  versions = sample.token_versions
-  return int(versions.min()) if versions.size else None
+  """The oldest token version (`Sample.min_version`, which a subclass may know without a pass
+  over the array), None for an empty response."""
+  return sample.min_version if sample.token_versions.size else None
 
 
 def index_in_group(sample: Sample, group_size: int) -> int:
