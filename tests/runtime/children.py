@@ -68,3 +68,10 @@ def produce_groups(address, authkey, num_groups: int, out_path: str) -> None:
   buffer.disconnect()
   with open(out_path, "w", encoding="utf-8") as f:
     json.dump({"admitted": admitted}, f)
+
+
+def sleep_without_death_signal(seconds: float) -> None:
+  """Clears the death signal child.spawn set, then sleeps: an orphan, the control case."""
+  import ctypes
+  ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 0)  # PR_SET_PDEATHSIG, none
+  time.sleep(seconds)
