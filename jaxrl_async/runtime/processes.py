@@ -27,6 +27,7 @@ from jaxrl_async.controller import (
   version_record,
 )
 from jaxrl_async.learner.learner import LearnerRole
+from jaxrl_async.ledger import LEDGER_FILE, SampleLedger, log_offsets, rewind_logs
 from jaxrl_async.metrics import JsonlWriter, RoleTimer
 from jaxrl_async.runtime import child
 from jaxrl_async.runtime.assembly import PROCESS_CHANNELS
@@ -62,7 +63,8 @@ def make_buffer(cfg) -> VersionedBuffer:
   return VersionedBuffer(group_size=cfg.group_size, groups_per_version=cfg.groups_per_version,
                          staleness_threshold=cfg.staleness_threshold,
                          max_version_gap=cfg.max_version_gap,
-                         capacity=max(cfg.buffer_capacity or 0, cfg.group_size * budget))
+                         capacity=max(cfg.buffer_capacity or 0, cfg.group_size * budget),
+                         record_drops=True)
 
 
 def make_channel(parts, run_dir):
@@ -92,6 +94,8 @@ def run_processes(parts, run_dir, *, resume: bool, progress: bool, log=print) ->
   writer = JsonlWriter(os.path.join(run_dir, "metrics.jsonl"))
   checkpointer = RunCheckpointer(os.path.join(run_dir, "checkpoints"))
   evaluator = Evaluator(parts)
+  # Opened for appending before the resume cuts it back (rewind_logs): nothing is written first.
+  ledger = SampleLedger(os.path.join(run_dir, LEDGER_FILE))
   buffer = make_buffer(cfg)
   channel, channel_spec = make_channel(parts, run_dir)
   service = BufferService(buffer).start()
@@ -101,7 +105,7 @@ def run_processes(parts, run_dir, *, resume: bool, progress: bool, log=print) ->
                 status_path=os.path.join(run_dir, "rollout_servers.json"), log=log)
   try:
     return _run(parts, run_dir, resume, progress, log, timer, writer, checkpointer, evaluator,
-                buffer, channel, fleet, service)
+                buffer, channel, fleet, service, ledger)
   finally:
     try:
       fleet.stop()
@@ -109,18 +113,20 @@ def run_processes(parts, run_dir, *, resume: bool, progress: bool, log=print) ->
       buffer.close()
       service.stop()
       writer.close()
+      ledger.close()
       checkpointer.close()
       channel.close()
 
 
 def _run(parts, run_dir, resume, progress, log, timer, writer, checkpointer, evaluator, buffer,
-         channel, fleet, service) -> dict:
+         channel, fleet, service, ledger) -> dict:
   cfg = parts.config
   state, version = parts.state, 0
   totals = {"consumed": 0, "tokens": 0}
   restores: list = [None] * cfg.num_rollout_servers
   taken = None
   shards = ShardPrompts()
+  run_state = None
   if resume and checkpointer.latest_step() is not None:
     state, run_state, _ = checkpointer.restore(state, shards)
     servers = run_state.get("rollout", {}).get("servers")
@@ -137,6 +143,9 @@ def _run(parts, run_dir, resume, progress, log, timer, writer, checkpointer, eva
     taken = [[Sample.from_dict(s) for s in group] for group in run_state.get("taken", [])]
     timer.start -= run_state.get("wall_s", 0.0)
     log(f"resumed from {checkpointer.directory} at policy_version {version}")
+  # Before anything is written: metrics.jsonl and ledger.jsonl back to the checkpoint's view
+  # (empty for a run that starts from scratch), so versions made again are logged once.
+  rewind_logs(run_dir, run_state)
 
   bar = progress_bar(cfg.num_versions, version, progress)
   last_eval: dict = {}
@@ -146,6 +155,7 @@ def _run(parts, run_dir, resume, progress, log, timer, writer, checkpointer, eva
       fleet.pause()
       try:
         snapshots = fleet.snapshots()
+        ledger.dropped_log(buffer.take_drop_log())  # paused: the buffer's drops so far
         checkpointer.save(at_version, learner_state, ShardPrompts(
             [s["prompts"] for s in snapshots]), {
                 "policy_version": at_version, "consumed_samples": totals["consumed"],
@@ -153,7 +163,8 @@ def _run(parts, run_dir, resume, progress, log, timer, writer, checkpointer, eva
                 "buffer": buffer.get_state(),
                 "taken": [[s.to_dict() for s in g] for g in (pending or [])],
                 "rollout": {"backend": "processes",
-                            "servers": [s["rollout"] for s in snapshots]}})
+                            "servers": [s["rollout"] for s in snapshots]},
+                **log_offsets(run_dir, ledger)})
       finally:
         fleet.resume()
 
@@ -171,6 +182,7 @@ def _run(parts, run_dir, resume, progress, log, timer, writer, checkpointer, eva
 
   def on_version(at_version, learner_state, groups, accumulated, staleness):
     consumed_groups.extend([g[0].group_id, g[0].prompt_id] for g in groups)
+    ledger.consumed(at_version, groups)
     totals["consumed"] += sum(len(g) for g in groups)
     totals["tokens"] += sum(s.num_response_tokens for g in groups for s in g)
     sync = channel.metrics()
@@ -241,6 +253,7 @@ def _run(parts, run_dir, resume, progress, log, timer, writer, checkpointer, eva
   writer.write({"policy_version": learner.version, "learner_step": int(final_state.step),
                 "samples": totals["consumed"], "time_s": timer.wall_s(), **last_eval})
   queued = buffer.discard_queued("shutdown")
+  ledger.dropped_log(buffer.take_drop_log())
   buffer.check_invariants()
   write_ledger(os.path.join(run_dir, "prompt_ledger.json"), service, consumed_groups)
   parts.state = final_state

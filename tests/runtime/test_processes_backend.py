@@ -18,6 +18,7 @@ from jaxrl_async import config as config_lib
 from jaxrl_async import controller
 from jaxrl_async.config import RunConfig
 from jaxrl_async.learner.sft import WarmStartConfig
+from jaxrl_async.ledger import read_events
 from jaxrl_async.metrics import read_jsonl
 from jaxrl_async.tasks.reverse import DigitReverseTask
 from launch import train
@@ -168,6 +169,14 @@ def test_resume_gives_each_server_its_shard_back(tmp_path):
   assert len(consumed) * GROUP_SIZE == longer.total_samples
   assert len({g for g, _ in consumed}) == len(consumed)
   assert len({p for _, p in consumed}) == len(consumed)
+  # The sample ledger and the metrics of both lives: the resume cut them back to the
+  # checkpoint's view, so every group is consumed once and every version logged once.
+  events = read_events(tmp_path / "ledger.jsonl")
+  groups = [g for e in events if e["event"] == "consumed" for g in e["groups"]]
+  assert sorted(groups) == sorted(g for g, _ in consumed)
+  versions = [r["policy_version"] for r in read_jsonl(tmp_path / "metrics.jsonl")
+              if "algo/version_gap_max" in r]
+  assert versions == list(range(1, 7))
   with pytest.raises(ValueError, match="num_rollout_servers"):
     controller.run(small_config(8, num_rollout_servers=1), str(tmp_path), resume=True,
                    progress=False, log=quiet)
