@@ -134,24 +134,32 @@ def sum_pairs(accumulated: dict, metrics: Mapping) -> dict:
 def staleness_metrics(groups, learner_version: int) -> dict[str, float]:
   """algo/version_gap_*, stale_ratio, partial_ratio, max_partial_span, version_gap_counts for
   consumed groups."""
-  gaps, partial, spans, samples = [], 0, [0], 0
-  for group in groups:
-    for sample in group:
-      samples += 1
-      gaps.append(learner_version - sample.token_versions)
-      partial += sample.is_partial
-      spans.append(sample.version_span)
-  gaps = np.concatenate(gaps) if gaps else np.zeros((0,), np.int32)
+  samples = [sample for group in groups for sample in group]
+  partial = sum(sample.is_partial for sample in samples)
+  spans = [0]
+  spans.extend(sample.version_span for sample in samples)
+  gaps = _version_gaps([sample.token_versions for sample in samples], learner_version)
   counts = np.bincount(np.maximum(gaps, 0).astype(np.int64)) if gaps.size else []
   return {
       "algo/version_gap_mean": float(gaps.mean()) if gaps.size else 0.0,
       "algo/version_gap_max": float(gaps.max()) if gaps.size else 0.0,
       "algo/stale_ratio": float(np.mean(gaps >= 1)) if gaps.size else 0.0,
-      "algo/partial_ratio": partial / max(samples, 1),
+      "algo/partial_ratio": partial / max(len(samples), 1),
       "algo/max_partial_span": float(max(spans)),
       # Consumed tokens per version gap (index = gap): the version-gap histogram.
       "algo/version_gap_counts": [int(c) for c in counts],
   }
+
+
+def _version_gaps(token_versions: list, learner_version: int) -> np.ndarray:
+  """learner_version - token version of every token, concatenated: one subtraction over the
+  joined arrays when they share a dtype (the same values as one per array)."""
+  if not token_versions:
+    return np.zeros((0,), np.int32)
+  dtype = token_versions[0].dtype
+  if all(versions.dtype == dtype for versions in token_versions):
+    return learner_version - np.concatenate(token_versions)
+  return np.concatenate([learner_version - versions for versions in token_versions])
 
 
 class JsonlWriter:

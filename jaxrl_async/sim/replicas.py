@@ -60,8 +60,7 @@ def make_sample(template: SimSample, **fields) -> SimSample:
   """A SimSample with `template`'s fields replaced by `fields`, without the dataclass's
   validation: the simulator builds every array itself, with one entry per response unit."""
   sample = SimSample.__new__(SimSample)
-  sample.__dict__.update(template.__dict__)
-  sample.__dict__.update(fields)
+  sample.__dict__ = {**template.__dict__, **fields}
   return sample
 
 
@@ -142,6 +141,7 @@ class ReplicaPool:
     self._uniform: dict[tuple[int, int], np.ndarray] = {}
     self._template = SimSample(prompt_id=0, group_id=0, group_size=self.group_size,
                                prompt_tokens=_EMPTY_PROMPT, reward=1.0).set_versions(0, 0)
+    self._template_fields = dict(self._template.__dict__)
     self._streams: dict[str, list] = {}
 
   # ---- requests -------------------------------------------------------------------------------
@@ -167,7 +167,8 @@ class ReplicaPool:
             for i, (n, f) in enumerate(zip(lengths, failed))]
 
   def least_loaded(self) -> Replica:
-    return min(self.replicas, key=lambda r: r.load)
+    replicas = self.replicas
+    return replicas[0] if len(replicas) == 1 else min(replicas, key=lambda r: r.load)
 
   # ---- running a replica ------------------------------------------------------------------------
   def step(self, replica: Replica, admit: bool) -> bool:
@@ -239,27 +240,31 @@ class ReplicaPool:
   # ---- finished responses -------------------------------------------------------------------------
   def _finish(self, replica: Replica, gen: Generation) -> Sample:
     done = replica.pos - gen.seg_start
-    if done > 0:
-      gen.segments.append((replica.version, done))
     segments = gen.segments
+    if done > 0:
+      segments.append((replica.version, done))
+    units = gen.units
     if len(segments) == 1:
-      token_versions = self._uniform_versions(segments[0][0], segments[0][1])
+      token_versions = self._uniform_versions(segments[0][0], units)
     else:
       versions, counts = zip(*segments)
       token_versions = np.repeat(np.asarray(versions, np.int32), counts)
-    zeros = self._zeros.get(gen.units)
+    zeros = self._zeros.get(units)
     if zeros is None:
-      zeros = self._zeros[gen.units] = (np.zeros(gen.units, np.int32),
-                                        np.zeros(gen.units, np.float32))
+      zeros = self._zeros[units] = (np.zeros(units, np.int32), np.zeros(units, np.float32))
     now = self.clock.now
-    return make_sample(
-        self._template, prompt_id=gen.group_id, group_id=gen.group_id,
-        response_tokens=zeros[0], behaviour_logprobs=zeros[1], token_versions=token_versions,
-        finish_reason="length" if gen.truncated else "eos",
-        reward_status="failed" if gen.failed else "ok", interruptions=gen.interruptions,
-        timestamps={"created": now, "generated": now},
-        meta={"index_in_group": gen.index, "tokens": gen.tokens},
-        _oldest=segments[0][0], _newest=segments[-1][0])  # versions only grow along a response
+    sample = SimSample.__new__(SimSample)
+    # make_sample's fields, written as one dict: `template`'s, then this response's own.
+    sample.__dict__ = {
+        **self._template_fields, "prompt_id": gen.group_id, "group_id": gen.group_id,
+        "response_tokens": zeros[0], "behaviour_logprobs": zeros[1],
+        "token_versions": token_versions,
+        "finish_reason": "length" if gen.truncated else "eos",
+        "reward_status": "failed" if gen.failed else "ok", "interruptions": gen.interruptions,
+        "timestamps": {"created": now, "generated": now},
+        "meta": {"index_in_group": gen.index, "tokens": gen.tokens},
+        "_oldest": segments[0][0], "_newest": segments[-1][0]}  # versions only grow
+    return sample
 
   def _uniform_versions(self, version: int, units: int) -> np.ndarray:
     """A read-only int32 array of `units` entries equal to `version`, shared between samples
@@ -281,14 +286,18 @@ class ReplicaPool:
     free = self._reward_free
     now = self.clock.now
     batch_done = now
+    heapreplace = heapq.heapreplace
     for latency in latencies:
-      begin = max(now, heapq.heappop(free))
+      free_at = free[0]
+      begin = free_at if free_at > now else now  # max(now, free_at)
       done = begin + latency
-      heapq.heappush(free, done)
-      batch_done = max(batch_done, done)
+      heapreplace(free, done)  # the earliest free scorer takes it
+      if done > batch_done:
+        batch_done = done
       # Busy time of the reward role: the union of scoring intervals (as RoleTimer merges them).
-      if done > self._reward_until:
-        self.reward_busy_s += done - max(begin, self._reward_until)
+      until = self._reward_until
+      if done > until:
+        self.reward_busy_s += done - (begin if begin > until else until)
         self._reward_until = done
     self.clock.at(batch_done, self._rewarded, samples)
 

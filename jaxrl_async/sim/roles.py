@@ -83,6 +83,30 @@ class ReadyGroups:
     """Puts the sample: 1 if it completed a group that should be ready, -1 if it completed a
     group the buffer drops (a failed member), else 0."""
     self.buffer.put(sample, timeout=timeout_s)
+    return self._arrive(sample)
+
+  def put_many(self, samples: list[Sample], timeout_s: float,
+               on_ready: Callable[[], None] | None = None) -> bool:
+    """Puts the samples in order, as many at a time as the buffer's `put_many` allows: a run
+    ends at each sample that completes a group that should be ready, and `on_ready()` is
+    called before the next sample is put (as after each `put`). Returns whether any sample
+    completed a group the buffer drops."""
+    dropped = False
+    begin = 0
+    for i, sample in enumerate(samples):
+      outcome = self._arrive(sample)
+      if outcome > 0:
+        self.buffer.put_many(samples[begin:i + 1], timeout=timeout_s)
+        begin = i + 1
+        if on_ready is not None:
+          on_ready()
+      elif outcome < 0:
+        dropped = True
+    if begin < len(samples):
+      self.buffer.put_many(samples[begin:], timeout=timeout_s)
+    return dropped
+
+  def _arrive(self, sample: Sample) -> int:
     entry = self._arrived.get(sample.group_id)
     if entry is None:
       entry = self._arrived[sample.group_id] = [0, False]
@@ -211,13 +235,7 @@ class SimRollouter:
         pool.stop_at_boundary(replica)  # refill the free slots at the next step
 
   def put_all(self, samples: list[Sample]) -> None:
-    dropped = False
-    for sample in samples:
-      outcome = self.ready.put(sample, NO_WAIT_S)
-      if outcome > 0:
-        self.on_group_ready()
-      dropped = dropped or outcome < 0
-    if dropped:
+    if self.ready.put_many(samples, NO_WAIT_S, self.on_group_ready):
       self.wake_idle()
 
   def wake_idle(self) -> None:
@@ -335,8 +353,7 @@ def sync_loop(clock: Clock, *, pool: ReplicaPool, buffer: VersionedBuffer, ready
     state["generate_s"] = state.get("generate_s", 0.0) + clock.now - began
     pool.score(list(finished))
     yield ("wait", "scored")
-    for sample in scored:
-      ready.put(sample, NO_WAIT_S)
+    ready.put_many(scored, NO_WAIT_S)
     finished.clear()
     scored.clear()
     consumed = []
