@@ -28,7 +28,7 @@ from jaxrl_async.types import Sample
 
 _EMPTY_PROMPT = np.zeros((1,), np.int32)
 _DRAW_BATCH = 8192
-_UNIFORM_CACHE = 4096  # cached (version, units) arrays before the cache is cleared
+_UNIFORM_CACHE = 256  # cached per-version arrays before the cache is cleared
 
 
 class SimSample(Sample):
@@ -138,7 +138,8 @@ class ReplicaPool:
     self.reward_busy_s = 0.0
     self.generated_tokens = 0
     self._zeros: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    self._uniform: dict[tuple[int, int], np.ndarray] = {}
+    self._uniform: dict[int, np.ndarray] = {}  # version -> read-only array
+    self._max_units = -(-profile.response_length.max // self.block)
     self._template = SimSample(prompt_id=0, group_id=0, group_size=self.group_size,
                                prompt_tokens=_EMPTY_PROMPT, reward=1.0).set_versions(0, 0)
     self._template_fields = dict(self._template.__dict__)
@@ -267,16 +268,16 @@ class ReplicaPool:
     return sample
 
   def _uniform_versions(self, version: int, units: int) -> np.ndarray:
-    """A read-only int32 array of `units` entries equal to `version`, shared between samples
-    (most responses run under one version; nothing downstream writes into token_versions)."""
-    key = (version, units)
-    array = self._uniform.get(key)
-    if array is None:
+    """A read-only int32 array of `units` entries equal to `version`: a view of one array per
+    version, shared between samples (most responses run under one version; nothing downstream
+    writes into token_versions)."""
+    full = self._uniform.get(version)
+    if full is None or full.size < units:
       if len(self._uniform) >= _UNIFORM_CACHE:
         self._uniform.clear()
-      array = self._uniform[key] = np.full(units, version, np.int32)
-      array.flags.writeable = False
-    return array
+      full = self._uniform[version] = np.full(max(units, self._max_units), version, np.int32)
+      full.flags.writeable = False
+    return full[:units]
 
   def score(self, samples: list[Sample]) -> None:
     """Hands one step's finished samples to the reward scorers as a batch (each sample to the
