@@ -255,12 +255,20 @@ def run_services(parts: Parts, run_dir):
 def make_buffer(parts: Parts) -> VersionedBuffer:
   """The buffer of every mode: in sync mode it only assembles groups and counts drops, with
   the same rules as in the async modes (so both keep put == consumed + dropped + queued)."""
-  cfg = parts.config
-  return VersionedBuffer(group_size=cfg.group_size, groups_per_version=cfg.groups_per_version,
-                         staleness_threshold=cfg.staleness_threshold,
-                         max_version_gap=cfg.max_version_gap, capacity=cfg.capacity,
-                         group_filter=cfg.group_filter_fn, drop_truncated=cfg.drop_truncated,
-                         record_drops=True)
+  return buffer_for(parts.config)
+
+
+def buffer_kwargs(cfg) -> dict:
+  """The VersionedBuffer arguments a RunConfig asks for, the same on every backend."""
+  return dict(group_size=cfg.group_size, groups_per_version=cfg.groups_per_version,
+              staleness_threshold=cfg.staleness_threshold,
+              max_version_gap=cfg.max_version_gap, capacity=cfg.capacity,
+              group_filter=cfg.group_filter_fn, drop_truncated=cfg.drop_truncated)
+
+
+def buffer_for(cfg) -> VersionedBuffer:
+  """The buffer a RunConfig asks for, recording its drops for the sample ledger."""
+  return VersionedBuffer(**buffer_kwargs(cfg), record_drops=True)
 
 
 def reward_metrics(rewards: RewardPool) -> dict[str, int]:

@@ -17,10 +17,11 @@ import shutil
 
 import jax
 
-from jaxrl_async.buffer import VersionedBuffer, admission_budget
+from jaxrl_async.buffer import VersionedBuffer
 from jaxrl_async.checkpoint import RunCheckpointer
 from jaxrl_async.controller import (
   Evaluator,
+  buffer_for,
   copy_params,
   learner_update,
   progress_bar,
@@ -59,12 +60,9 @@ class ShardPrompts:
 
 
 def make_buffer(cfg) -> VersionedBuffer:
-  budget = admission_budget(cfg.staleness_threshold, cfg.groups_per_version)
-  return VersionedBuffer(group_size=cfg.group_size, groups_per_version=cfg.groups_per_version,
-                         staleness_threshold=cfg.staleness_threshold,
-                         max_version_gap=cfg.max_version_gap,
-                         capacity=max(cfg.buffer_capacity or 0, cfg.group_size * budget),
-                         record_drops=True)
+  """The run's buffer, built by the same rules as the threads backend's (group filter and
+  truncation drops included)."""
+  return buffer_for(cfg)
 
 
 def make_channel(parts, run_dir):

@@ -249,11 +249,9 @@ class LedgerView:
 
 
 def buffer_kwargs(cfg) -> dict[str, Any]:
-  from jaxrl_async.buffer import admission_budget
-  budget = admission_budget(cfg.staleness_threshold, cfg.groups_per_version)
-  return dict(group_size=cfg.group_size, groups_per_version=cfg.groups_per_version,
-              staleness_threshold=cfg.staleness_threshold, max_version_gap=cfg.max_version_gap,
-              capacity=max(cfg.buffer_capacity or 0, cfg.group_size * budget))
+  """The buffer actor's arguments: the same rules as the other backends' buffers."""
+  from jaxrl_async.controller import buffer_kwargs as config_buffer_kwargs
+  return config_buffer_kwargs(cfg)
 
 
 def run_ray(parts, run_dir, *, resume: bool, progress: bool, log=print) -> dict:
