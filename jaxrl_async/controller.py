@@ -38,7 +38,12 @@ from jaxrl_async.metrics import RoleTimer, reduce_metrics, staleness_metrics, su
 from jaxrl_async.model import get_config, init_model, param_logical_axes, split_model
 from jaxrl_async.rollout.engine import Engine
 from jaxrl_async.rollout.evaluate import evaluate
-from jaxrl_async.rollout.generation import ContinuousBatcher, GenerationRequest, sample_keys
+from jaxrl_async.rollout.generation import (
+  ContinuousBatcher,
+  GenerationRequest,
+  sample_keys,
+  task_batcher,
+)
 from jaxrl_async.rollout.rewards import RewardPool
 from jaxrl_async.sinks import make_writer
 from jaxrl_async.tasks import prompts as prompts_lib
@@ -71,8 +76,7 @@ class Parts:
   rollout_mesh: Any = None  # the engine's mesh when placed apart from the learner, else None
 
   def new_batcher(self) -> ContinuousBatcher:
-    return ContinuousBatcher(self.engine, eos_id=self.task.tokenizer.eos_id,
-                             max_response_len=self.task.max_response_len)
+    return task_batcher(self.engine, self.task)
 
   @property
   def seq_len(self) -> int:
@@ -116,7 +120,8 @@ def build(config: RunConfig, *, log=print) -> Parts:
                        timeout_s=config.reward_timeout_s, max_retries=config.reward_retries)
   return Parts(config=config, task=task, model_config=model_config, graphdef=graphdef,
                logical_axes=logical_axes, mesh=mesh, state=state, update=update,
-               logprobs=step_lib.make_logprob_fn(graphdef, config.learner.temperature),
+               logprobs=step_lib.make_logprob_fn(graphdef, config.learner.temperature,
+                                                 chunk_size=config.learner.logit_chunk_size),
                engine=engine, rollout_mesh=placement.rollout,
                eval_problems=task.eval_set(config.eval_size),
                prompt_iterator=prompt_iterator, rewards=rewards,

@@ -247,3 +247,12 @@ class ContinuousBatcher:
     sample.finish_reason = reason.value
     sample.stamp("generated", self.clock())
     return sample
+
+
+def task_batcher(engine: Engine, task) -> ContinuousBatcher:
+  """A batcher for `task`: its tokenizer's EOS and extra stop ids (a Hugging Face tokenizer's
+  generation-config EOS ids; none for the built-in tokenizer), its response length limit."""
+  tokenizer = task.tokenizer
+  return ContinuousBatcher(engine, eos_id=tokenizer.eos_id,
+                           stop_ids=tuple(getattr(tokenizer, "stop_ids", ())),
+                           max_response_len=task.max_response_len)

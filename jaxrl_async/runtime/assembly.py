@@ -55,9 +55,8 @@ class RolloutSide:
   eval_problems: list
 
   def new_batcher(self):
-    from jaxrl_async.rollout.generation import ContinuousBatcher
-    return ContinuousBatcher(self.engine, eos_id=self.task.tokenizer.eos_id,
-                             max_response_len=self.task.max_response_len)
+    from jaxrl_async.rollout.generation import task_batcher
+    return task_batcher(self.engine, self.task)
 
   def make_requests(self, problem, group_id: int, members):
     from jaxrl_async.controller import make_group_requests

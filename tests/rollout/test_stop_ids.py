@@ -96,3 +96,15 @@ def test_bad_stop_ids_are_rejected(model, kwargs):
   engine = Engine(model[0], CONFIG, max_concurrent_decodes=1, max_prefill_length=8)
   with pytest.raises(ValueError, match="stop ids must be ints >= 0"):
     ContinuousBatcher(engine, max_response_len=4, **kwargs)
+
+
+def test_a_task_batcher_stops_at_its_tokenizers_stop_ids(engine):
+  from types import SimpleNamespace
+
+  from jaxrl_async.rollout.generation import task_batcher
+  hf_like = SimpleNamespace(eos_id=2, stop_ids=(2, 9, 11))
+  batcher = task_batcher(engine, SimpleNamespace(tokenizer=hf_like, max_response_len=7))
+  assert batcher.stop_ids == frozenset({2, 9, 11})
+  builtin = SimpleNamespace(eos_id=3)  # the built-in tokenizer names no extra stop ids
+  assert task_batcher(engine, SimpleNamespace(tokenizer=builtin, max_response_len=7)
+                      ).stop_ids == frozenset({3})
