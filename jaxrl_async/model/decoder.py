@@ -215,16 +215,15 @@ class Decoder(nnx.Module):
     dtype = jnp.dtype(self.config.dtype)
     x = jnp.take(self.embed[...], tokens, axis=0).astype(dtype)
     new_keys, new_values = [], []
-    for i, block in enumerate(self.blocks):
-      if cache is None and self.config.remat:
-        # Gradient checkpointing: the backward pass recomputes the block's activations.
-        x = _remat_block(block, x, positions, segment_ids)
-        continue
-      layer_cache = None if cache is None else (cache.keys[i], cache.values[i])
-      x, layer_new = block(x, positions, layer_cache, segment_ids)
-      if layer_new is not None:
-        new_keys.append(layer_new[0])
-        new_values.append(layer_new[1])
+    if cache is None and self.config.remat:
+      x = _remat_blocks(list(self.blocks), x, positions, segment_ids)
+    else:
+      for i, block in enumerate(self.blocks):
+        layer_cache = None if cache is None else (cache.keys[i], cache.values[i])
+        x, layer_new = block(x, positions, layer_cache, segment_ids)
+        if layer_new is not None:
+          new_keys.append(layer_new[0])
+          new_values.append(layer_new[1])
     x = self.final_norm(x)
     new_cache = None if cache is None else KVCache(tuple(new_keys), tuple(new_values))
     if return_hidden:
@@ -252,9 +251,23 @@ def unembedding(params) -> jax.Array:
   return params["lm_head"] if "lm_head" in params else params["embed"].T
 
 
-@nnx.remat
-def _remat_block(block: Block, x, positions, segment_ids):
-  return block(x, positions, None, segment_ids)[0]
+def _remat_blocks(blocks: list[Block], x, positions, segment_ids):
+  """Gradient checkpointing: the blocks' parameters stacked and scanned over, each step
+  rematerialised, so the backward pass recomputes one block's activations at a time.
+
+  The scan matters: XLA's CPU scheduler hoists the recomputation of unrolled checkpointed
+  blocks into the forward pass (their activations then all stay live, and remat saves nothing),
+  while a loop body cannot be hoisted. The stacked copy of the block parameters is the price.
+  """
+  graphdef, first = nnx.split(blocks[0])
+  states = [first, *(nnx.split(block)[1] for block in blocks[1:])]
+  stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
+
+  @jax.checkpoint
+  def step(h, state):
+    return nnx.merge(graphdef, state)(h, positions, None, segment_ids)[0], None
+
+  return jax.lax.scan(step, x, stacked)[0]
 
 
 def init_model(config: ModelConfig, seed: int = 0) -> Decoder:
