@@ -223,6 +223,11 @@ class DriverBuffer:
   def close(self):
     self.client.close()
 
+  def take_drop_log(self) -> list:
+    """No per-sample drop log crosses from the buffer actor yet: the ledger of a Ray run holds
+    its consumed groups, and its drops are counted in the metrics (queue/dropped/<reason>)."""
+    return []
+
   def discard_queued(self, reason: str = "shutdown") -> int:
     return self.ray.get(self.actor.discard_queued.remote(reason), timeout=60.0)
 
@@ -260,6 +265,7 @@ def run_ray(parts, run_dir, *, resume: bool, progress: bool, log=print) -> dict:
   local one."""
   from jaxrl_async.checkpoint import RunCheckpointer
   from jaxrl_async.controller import Evaluator
+  from jaxrl_async.ledger import LEDGER_FILE, SampleLedger
   from jaxrl_async.metrics import JsonlWriter, RoleTimer
   from jaxrl_async.runtime import processes
 
@@ -277,13 +283,16 @@ def run_ray(parts, run_dir, *, resume: bool, progress: bool, log=print) -> dict:
   buffer = DriverBuffer(buffer_actor)
   fleet = RayFleet(cfg, buffer_actor, store,
                    status_path=os.path.join(run_dir, "rollout_servers.json"), log=log)
+  ledger = SampleLedger(os.path.join(run_dir, LEDGER_FILE))
   try:
     summary = processes._run(parts, run_dir, resume, progress, log, timer, writer, checkpointer,
-                             Evaluator(parts), buffer, channel, fleet, LedgerView(buffer_actor))
+                             Evaluator(parts), buffer, channel, fleet, LedgerView(buffer_actor),
+                             ledger)
   finally:
     try:
       fleet.stop()
     finally:
+      ledger.close()
       writer.close()
       checkpointer.close()
       channel.close()
