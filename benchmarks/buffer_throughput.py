@@ -10,11 +10,14 @@ with 1 and with 4 producer threads, and p50 / p99 enqueue -> consume latency in 
 sample of the 4-producer run (1-producer figures are reported too).
 
 `--cross_process`: the buffer is served by `runtime.buffer_service` (the learner's side) and
-`--producer_processes` spawned processes (default 2) admit groups and put each group with one
-`put_many` call over the real transport (multiprocessing.connection on 127.0.0.1); the consumer
-takes groups in the buffer's own process, as the learner does. It runs once per transport of
-`--transports` (default: 'pickle', every Sample pickled, then 'columnar', one
-`wire.encode_samples` blob per batch) and reports them side by side: samples/s through put +
+`--producer_processes` spawned processes (default 2) admit up to K groups per
+`acquire_group_slots` call and put the admitted ones with one `put_many` call over the real
+transport (multiprocessing.connection on 127.0.0.1), for each K of `--groups_per_put` (default
+1,4: a rollout step of continuous batching can finish several groups at once, and the rollout
+servers put what one step finished in one call); the consumer takes groups in the buffer's own
+process, as the learner does. It runs once per transport of `--transports` (default: 'pickle',
+every Sample pickled, then 'columnar', one `wire.encode_samples` blob per batch) and K, and
+reports them side by side: samples/s through put +
 get, p50 / p99 latency from the producer's send (stamped 'created' just before `put_many`) to
 `get_groups` returning, in ms, and the 1-minute load average at the start and end of each run.
 `--out PATH` also writes the JSON line to PATH.
@@ -102,21 +105,27 @@ def run(num_producers: int, num_samples: int, group_size: int, groups_per_versio
 
 
 def produce_remote(address, authkey, producer: int, num_groups: int, group_size: int,
-                   go, transport: str = "columnar") -> None:
-  """In a producer process: builds its samples, waits for `go`, then admits and puts them."""
+                   go, transport: str = "columnar", groups_per_put: int = 1) -> None:
+  """In a producer process: builds its samples, waits for `go`, then admits and puts them, up
+  to `groups_per_put` groups per admission call and per `put_many` (a rollout step that
+  finishes several groups puts them together)."""
   from jaxrl_async.runtime.buffer_service import RemoteBufferClient
   groups = make_samples(num_groups, group_size, producer * num_groups)
   buffer = RemoteBufferClient(address, authkey, f"producer-{producer}", transport=transport)
   buffer.acquire_group_slots(1, 0)  # connect before the timed region
   buffer.put_many(groups[0], TIMEOUT_S)
   go.wait(TIMEOUT_S)
-  for group in groups[1:]:
-    while not buffer.acquire_group_slots(1, TIMEOUT_S):
-      pass
+  index = 1
+  while index < len(groups):
+    count = buffer.acquire_group_slots(min(groups_per_put, len(groups) - index), TIMEOUT_S)
+    if not count:
+      continue
     now = time.time()
-    for sample in group:
+    batch = [sample for group in groups[index:index + count] for sample in group]
+    for sample in batch:
       sample.timestamps["created"] = now
-    buffer.put_many(group, TIMEOUT_S)
+    buffer.put_many(batch, TIMEOUT_S)
+    index += count
   buffer.disconnect()
 
 
@@ -126,7 +135,8 @@ def load_average() -> float:
 
 def run_cross_process(num_producers: int, num_samples: int, group_size: int,
                       groups_per_version: int, staleness_threshold: float,
-                      groups_per_batch: int, transport: str = "columnar") -> dict[str, float]:
+                      groups_per_batch: int, transport: str = "columnar",
+                      groups_per_put: int = 1) -> dict[str, float]:
   import multiprocessing as mp
 
   from jaxrl_async.runtime import child
@@ -140,7 +150,8 @@ def run_cross_process(num_producers: int, num_samples: int, group_size: int,
   go = mp.get_context("spawn").Event()
   producers = [child.spawn(f"{produce_remote.__module__}:produce_remote",
                            (service.address, service.authkey, p, per_producer, group_size, go,
-                            transport), name=f"producer-{p}") for p in range(num_producers)]
+                            transport, groups_per_put), name=f"producer-{p}")
+               for p in range(num_producers)]
   latencies, consumed_groups = [], 0
   try:
     # Each producer's first group (put before the timed region) proves it is connected.
@@ -179,12 +190,17 @@ def run_cross_process(num_producers: int, num_samples: int, group_size: int,
           "load_avg_1m_start": load_start, "load_avg_1m_end": load_end}
 
 
-def cross_process_report(transports: list[str], **kwargs) -> dict:
-  """One cross-process run per transport, in order, side by side."""
-  results = {transport: run_cross_process(transport=transport, **kwargs)
-             for transport in transports}
+def cross_process_report(transports: list[str], groups_per_put: list[int], **kwargs) -> dict:
+  """One cross-process run per transport and groups-per-put setting, in order, side by side
+  (keys 'TRANSPORT' for one group per put, 'TRANSPORT_xK' for K)."""
+  results = {}
+  for transport in transports:
+    for per_put in groups_per_put:
+      key = transport if per_put == 1 else f"{transport}_x{per_put}"
+      results[key] = run_cross_process(transport=transport, groups_per_put=per_put, **kwargs)
   report = {"benchmark": "buffer_throughput", "mode": "cross_process",
-            "transport": "multiprocessing.connection 127.0.0.1, one put_many per group",
+            "transport": "multiprocessing.connection 127.0.0.1, one acquire_group_slots and "
+                         "one put_many per K groups (K = 1 unless the key says _xK)",
             "producer_processes": kwargs["num_producers"], "samples": kwargs["num_samples"],
             "group_size": kwargs["group_size"],
             "groups_per_version": kwargs["groups_per_version"],
@@ -208,6 +224,9 @@ def main() -> None:
   parser.add_argument("--producer_processes", type=int, default=2)
   parser.add_argument("--transports", default="pickle,columnar",
                       help="comma-separated RemoteBufferClient transports to compare")
+  parser.add_argument("--groups_per_put", default="1,4",
+                      help="comma-separated groups per admission call and per put_many "
+                           "(cross-process runs)")
   parser.add_argument("--out", default=None, help="also write the JSON line to this file")
   args = parser.parse_args()
   kwargs = dict(num_samples=args.samples, group_size=args.group_size,
@@ -220,8 +239,14 @@ def main() -> None:
     unknown = sorted(set(transports) - set(TRANSPORTS))
     if unknown or not transports:
       parser.error(f"--transports: {unknown or 'none'} not in {TRANSPORTS}")
-    line = json.dumps(cross_process_report(transports, num_producers=args.producer_processes,
-                                           **kwargs))
+    try:
+      per_put = [int(k) for k in args.groups_per_put.split(",") if k.strip()]
+    except ValueError:
+      parser.error(f"--groups_per_put={args.groups_per_put!r}: comma-separated ints")
+    if not per_put or min(per_put) < 1:
+      parser.error(f"--groups_per_put={args.groups_per_put!r}: each must be >= 1")
+    line = json.dumps(cross_process_report(transports, per_put,
+                                           num_producers=args.producer_processes, **kwargs))
     print(line)
     if args.out:
       with open(args.out, "w", encoding="utf-8") as f:

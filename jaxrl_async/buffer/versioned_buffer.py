@@ -129,65 +129,77 @@ class VersionedBuffer:
     """Adds one sample (good or failed); blocks while the buffer holds `capacity` samples."""
     self.put_many((sample,), timeout)
 
-  def put_many(self, samples: Sequence[Sample], timeout: float) -> None:
+  def put_many(self, samples: Sequence[Sample], timeout: float, *,
+               one_deadline: bool = False) -> None:
     """`put` of each sample in order, under one acquisition of the lock.
 
     The same as `for s in samples: put(s, timeout)`: each sample may wait up to `timeout`
     for space, and the first one that raises (a bad field, a duplicate, a filter error, a
-    timeout) leaves the samples before it put and the ones after it untouched.
+    timeout) leaves the samples before it put and the ones after it untouched. That error
+    carries `num_put`, the number of samples that did go in. `one_deadline=True`: `timeout`
+    bounds the waits of the whole call instead of each sample's.
     """
-    check_timeout("put", timeout)
+    deadline = check_timeout("put", timeout)
+    if not one_deadline:
+      deadline = None
     group_size, drop_truncated = self._group_size, self._drop_truncated
     partial, acc, clock = self._partial, self._acc, self._clock
     handoff = False
-    with self._lock:
-      for sample in samples:
-        if sample.group_size != group_size:
-          raise ValueError(f"Sample.group_size={sample.group_size} of group {sample.group_id} "
-                           f"must equal the buffer's group_size={group_size}")
-        index = index_in_group(sample, group_size)
-        drop_rank = sample_drop_rank(sample, drop_truncated)
-        min_version = sample_min_version(sample)
-        group_id = sample.group_id
-        if self._closed or acc.queued >= self._capacity:
-          self._wait(self._space_cv, "space", self._has_space, time.monotonic() + timeout,
-                     "put", timeout)
-        group = partial.get(group_id)
-        if group is not None and group.slots[index] is not None:
-          raise ValueError(f"duplicate sample: group {group_id} already holds "
-                           f"index_in_group={index}")
-        arrived = (group.count if group is not None else 0) + 1
-        rank = min(drop_rank, group.drop_rank) if group is not None else drop_rank
-        members = None
-        if arrived == group_size:
-          members = list(group.slots) if group is not None else [None] * group_size
-          members[index] = sample
-          # The filter may raise: nothing has been changed yet, so this put did not happen.
-          if (rank == NO_DROP and self._group_filter is not None
-              and not self._group_filter(members)):
-            rank = -1
-        if group is None:
-          admitted = self._ledger.start_group()
-          if not admitted:
-            acc.unadmitted_groups += 1
-          group = PartialGroup(group_id, group_size, admitted)
-          if members is None:
-            partial[group_id] = group
-        elif members is not None:
-          del partial[group_id]
-        sample.timestamps["enqueued"] = clock()
-        group.add(index, sample, drop_rank, min_version)
-        acc.put += 1
-        acc.queued += 1
-        if members is not None:
-          if rank == NO_DROP:
-            self._ready.append(ReadyGroup(members, group.admitted, group.min_version))
-            if self._consumers_wanting and len(self._ready) >= min(self._consumers_wanting):
-              self._ready_cv.notify_all()
-              handoff = True
-          else:
-            reason = "filtered_group" if rank < 0 else GROUP_DROP_PRIORITY[rank]
-            self._drop_locked(members, group.admitted, reason)
+    put = 0
+    try:
+      with self._lock:
+        for sample in samples:
+          if sample.group_size != group_size:
+            raise ValueError(f"Sample.group_size={sample.group_size} of group {sample.group_id} "
+                             f"must equal the buffer's group_size={group_size}")
+          index = index_in_group(sample, group_size)
+          drop_rank = sample_drop_rank(sample, drop_truncated)
+          min_version = sample_min_version(sample)
+          group_id = sample.group_id
+          if self._closed or acc.queued >= self._capacity:
+            self._wait(self._space_cv, "space", self._has_space,
+                       deadline if deadline is not None else time.monotonic() + timeout,
+                       "put", timeout)
+          group = partial.get(group_id)
+          if group is not None and group.slots[index] is not None:
+            raise ValueError(f"duplicate sample: group {group_id} already holds "
+                             f"index_in_group={index}")
+          arrived = (group.count if group is not None else 0) + 1
+          rank = min(drop_rank, group.drop_rank) if group is not None else drop_rank
+          members = None
+          if arrived == group_size:
+            members = list(group.slots) if group is not None else [None] * group_size
+            members[index] = sample
+            # The filter may raise: nothing has been changed yet, so this put did not happen.
+            if (rank == NO_DROP and self._group_filter is not None
+                and not self._group_filter(members)):
+              rank = -1
+          if group is None:
+            admitted = self._ledger.start_group()
+            if not admitted:
+              acc.unadmitted_groups += 1
+            group = PartialGroup(group_id, group_size, admitted)
+            if members is None:
+              partial[group_id] = group
+          elif members is not None:
+            del partial[group_id]
+          sample.timestamps["enqueued"] = clock()
+          group.add(index, sample, drop_rank, min_version)
+          acc.put += 1
+          acc.queued += 1
+          put += 1
+          if members is not None:
+            if rank == NO_DROP:
+              self._ready.append(ReadyGroup(members, group.admitted, group.min_version))
+              if self._consumers_wanting and len(self._ready) >= min(self._consumers_wanting):
+                self._ready_cv.notify_all()
+                handoff = True
+            else:
+              reason = "filtered_group" if rank < 0 else GROUP_DROP_PRIORITY[rank]
+              self._drop_locked(members, group.admitted, reason)
+    except Exception as error:
+      error.num_put = put
+      raise
     if handoff:
       _yield_to_consumer()
 

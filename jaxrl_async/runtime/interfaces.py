@@ -16,7 +16,6 @@ one for a single host.
 from __future__ import annotations
 
 import abc
-import time
 from typing import Any
 
 from jaxrl_async.buffer import BufferClosed, BufferTimeout, VersionedBuffer
@@ -36,23 +35,12 @@ def check_acquire_args(max_count: int, timeout: float) -> None:
 
 
 def put_batch(buffer: VersionedBuffer, samples: list[Sample], timeout: float) -> None:
-  """Puts `samples` in order within `timeout` seconds in all; an error raised part way carries
-  `num_put`, the samples that did go in (they stay in the buffer)."""
+  """Puts `samples` in order within `timeout` seconds in all, under one acquisition of the
+  buffer's lock; an error raised part way carries `num_put`, the samples that did go in (they
+  stay in the buffer)."""
   if not (is_finite_real(timeout) and timeout > 0):
     raise ValueError(f"put_many: timeout={timeout!r} must be a finite number of seconds > 0")
-  deadline = time.monotonic() + timeout
-  put = 0
-  try:
-    for sample in samples:
-      remaining = deadline - time.monotonic()
-      if remaining <= 0:
-        raise BufferTimeout(f"put_many timed out after {timeout:.3g} s with {put} of "
-                            f"{len(samples)} samples put")
-      buffer.put(sample, remaining)
-      put += 1
-  except Exception as error:
-    error.num_put = put
-    raise
+  buffer.put_many(samples, timeout, one_deadline=True)
 
 
 class BufferClient(abc.ABC):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -68,7 +70,8 @@ def _put_batched(buffer: VersionedBuffer, samples) -> list:
       rest = []
     except (ValueError, BufferTimeout) as exc:
       errors.append(_error(exc))
-      rest = rest[buffer.counts["put"] - before + 1:]  # the samples after the one that raised
+      assert exc.num_put == buffer.counts["put"] - before
+      rest = rest[exc.num_put + 1:]  # the samples after the one that raised
   return errors
 
 
@@ -119,3 +122,28 @@ def test_put_many_stops_at_the_first_bad_sample():
   else:
     raise AssertionError("a duplicate sample must raise")
   assert buffer.counts["put"] == 1 and buffer.counts["queued"] == 1
+
+
+def test_one_deadline_bounds_the_whole_call_not_each_wait():
+  """A full buffer frees one group's space after 0.6 s: the three samples after it go in, and
+  the fourth waits only for what is left of the call's 1 s (per-sample waits would take 1.6 s)."""
+  buffer = _buffer(drop_truncated=False, filtered=False)
+  full = _samples([(group, index, ("eos", "ok"), 0, float(index % 2))
+                   for group in range(4) for index in range(GROUP_SIZE)], 0)
+  buffer.put_many(full, 1.0)
+  assert buffer.counts["queued"] == GROUP_SIZE * 4  # the capacity
+  taker = threading.Timer(0.6, lambda: buffer.get_groups(1, 0, 5.0))
+  taker.start()
+  late = _samples([(group, 0, ("eos", "ok"), 0, 1.0) for group in range(4)], 10)
+  start = time.monotonic()
+  try:
+    buffer.put_many(late, 1.0, one_deadline=True)
+  except BufferTimeout as exc:
+    elapsed = time.monotonic() - start
+    assert exc.num_put == GROUP_SIZE
+  else:
+    raise AssertionError("the fourth sample has no space: the call must time out")
+  finally:
+    taker.join(5.0)
+  assert 0.95 <= elapsed < 1.45, elapsed
+  assert buffer.counts["put"] == 4 * GROUP_SIZE + GROUP_SIZE
