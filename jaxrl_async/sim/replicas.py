@@ -28,6 +28,11 @@ from jaxrl_async.types import Sample
 
 _EMPTY_PROMPT = np.zeros((1,), np.int32)
 _DRAW_BATCH = 8192
+# The instance fields `_finish_all` writes: Sample's fields and SimSample's version summaries.
+_SAMPLE_KEYS = frozenset((
+    "prompt_id", "group_id", "group_size", "prompt_tokens", "response_tokens",
+    "behaviour_logprobs", "token_versions", "finish_reason", "reward", "reward_status",
+    "retries", "interruptions", "timestamps", "meta", "_oldest", "_newest"))
 _UNIFORM_CACHE = 256  # cached per-version arrays before the cache is cleared
 
 
@@ -143,6 +148,9 @@ class ReplicaPool:
     self._template = SimSample(prompt_id=0, group_id=0, group_size=self.group_size,
                                prompt_tokens=_EMPTY_PROMPT, reward=1.0).set_versions(0, 0)
     self._template_fields = dict(self._template.__dict__)
+    if set(self._template_fields) != _SAMPLE_KEYS:
+      raise ImportError(f"sim: SimSample's fields {sorted(self._template_fields)} changed; "
+                        "update ReplicaPool._finish_all")
     self._streams: dict[str, list] = {}
 
   # ---- requests -------------------------------------------------------------------------------
@@ -215,7 +223,7 @@ class ReplicaPool:
     while active and active[0][0] <= replica.pos:
       finished.append(heapq.heappop(active)[2])
     if finished:
-      self.on_finished([self._finish(replica, gen) for gen in finished])
+      self.on_finished(self._finish_all(replica, finished))
     self.on_turn(replica)
 
   def swap(self, replica: Replica, version: int, strategy: str | None,
@@ -239,33 +247,42 @@ class ReplicaPool:
     return len(replica.active)
 
   # ---- finished responses -------------------------------------------------------------------------
-  def _finish(self, replica: Replica, gen: Generation) -> Sample:
-    done = replica.pos - gen.seg_start
-    segments = gen.segments
-    if done > 0:
-      segments.append((replica.version, done))
-    units = gen.units
-    if len(segments) == 1:
-      token_versions = self._uniform_versions(segments[0][0], units)
-    else:
-      versions, counts = zip(*segments)
-      token_versions = np.repeat(np.asarray(versions, np.int32), counts)
-    zeros = self._zeros.get(units)
-    if zeros is None:
-      zeros = self._zeros[units] = (np.zeros(units, np.int32), np.zeros(units, np.float32))
+  def _finish_all(self, replica: Replica, gens: list[Generation]) -> list[Sample]:
+    """The finished responses as samples (one loop, its lookups hoisted: the hottest path)."""
+    pos, version = replica.pos, replica.version
     now = self.clock.now
-    sample = SimSample.__new__(SimSample)
-    # make_sample's fields, written as one dict: `template`'s, then this response's own.
-    sample.__dict__ = {
-        **self._template_fields, "prompt_id": gen.group_id, "group_id": gen.group_id,
-        "response_tokens": zeros[0], "behaviour_logprobs": zeros[1],
-        "token_versions": token_versions,
-        "finish_reason": "length" if gen.truncated else "eos",
-        "reward_status": "failed" if gen.failed else "ok", "interruptions": gen.interruptions,
-        "timestamps": {"created": now, "generated": now},
-        "meta": {"index_in_group": gen.index, "tokens": gen.tokens},
-        "_oldest": segments[0][0], "_newest": segments[-1][0]}  # versions only grow
-    return sample
+    template = self._template_fields
+    group_size, prompt_tokens = template["group_size"], template["prompt_tokens"]
+    reward, retries = template["reward"], template["retries"]
+    zeros_cache, uniform, new = self._zeros, self._uniform_versions, SimSample.__new__
+    made = []
+    for gen in gens:
+      done = pos - gen.seg_start
+      segments = gen.segments
+      if done > 0:
+        segments.append((version, done))
+      units = gen.units
+      if len(segments) == 1:
+        token_versions = uniform(segments[0][0], units)
+      else:
+        versions, counts = zip(*segments)
+        token_versions = np.repeat(np.asarray(versions, np.int32), counts)
+      zeros = zeros_cache.get(units)
+      if zeros is None:
+        zeros = zeros_cache[units] = (np.zeros(units, np.int32), np.zeros(units, np.float32))
+      sample = new(SimSample)
+      # make_sample's fields (the template's, then this response's own), as one dict.
+      sample.__dict__ = {
+          "prompt_id": gen.group_id, "group_id": gen.group_id, "group_size": group_size,
+          "prompt_tokens": prompt_tokens, "response_tokens": zeros[0],
+          "behaviour_logprobs": zeros[1], "token_versions": token_versions,
+          "finish_reason": "length" if gen.truncated else "eos", "reward": reward,
+          "reward_status": "failed" if gen.failed else "ok", "retries": retries,
+          "interruptions": gen.interruptions, "timestamps": {"created": now, "generated": now},
+          "meta": {"index_in_group": gen.index, "tokens": gen.tokens},
+          "_oldest": segments[0][0], "_newest": segments[-1][0]}  # versions only grow
+      made.append(sample)
+    return made
 
   def _uniform_versions(self, version: int, units: int) -> np.ndarray:
     """A read-only int32 array of `units` entries equal to `version`: a view of one array per
