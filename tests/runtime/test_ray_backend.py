@@ -326,3 +326,44 @@ def test_a_killed_rollout_actor_mid_run_loses_and_duplicates_no_prompt(cluster, 
   # Each prompt id consumed once or dropped once under its reason, never both, never twice.
   processes_tests.check_ledger(summary, ledger, config)
   assert victim not in processes_tests.server_pids(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_stopped_rollout_actor_is_found_by_the_heartbeat_and_restarted(cluster, tmp_path,
+                                                                          monkeypatch):
+  """SIGSTOP: the actor stays alive for Ray but answers nothing. The driver's heartbeat finds it
+  silent, kills it, Ray restarts it, and its groups in flight are re-issued once, counted as
+  `server_unresponsive`."""
+  del cluster
+  from jaxrl_async.runtime import ray_run
+  monkeypatch.setattr(ray_run, "SILENCE_MIN_S", 8.0)  # the floor kept for slow restarts
+  config = processes_tests.small_config(12, heartbeat_timeout_s=2.0, **RAY_PLACEMENT)
+  outcome = {}
+  runner = run_in_thread(config, tmp_path, outcome)
+  deadline = time.monotonic() + processes_tests.RUN_TIMEOUT_S
+  while processes_tests.versions_done(tmp_path) < 3:
+    assert runner.is_alive(), f"the run ended before version 3: {outcome}"
+    assert time.monotonic() < deadline, "the run did not reach version 3"
+    time.sleep(0.05)
+  victim = processes_tests.server_pids(tmp_path)[0]
+  os.kill(victim, signal.SIGSTOP)
+  stopped_at = time.monotonic()
+  runner.join(processes_tests.RUN_TIMEOUT_S)
+  assert not runner.is_alive(), "the run did not finish after the stop"
+  if "error" in outcome:
+    raise outcome["error"]
+  summary = outcome["summary"]
+  with open(tmp_path / "prompt_ledger.json", encoding="utf-8") as f:
+    ledger = json.load(f)
+  assert summary["policy_version"] == 12
+  assert summary["rollout_server_restarts"] == 1
+  # Found silent no sooner than the silence limit: the heartbeat, not a crash, replaced it.
+  assert time.monotonic() - stopped_at >= 8.0
+  # Whatever it held in flight (possibly nothing: it may have been waiting for admission) is
+  # re-issued once, under the heartbeat's reason only.
+  assert summary["runtime/reissued_groups/server_unresponsive"] == len(ledger["reissued"])
+  assert summary["runtime/reissued_groups/actor_restarted"] == 0
+  processes_tests.check_ledger(summary, ledger, config)
+  assert victim not in processes_tests.server_pids(tmp_path)
+  with pytest.raises(ProcessLookupError):
+    os.kill(victim, 0)
