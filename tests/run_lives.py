@@ -44,9 +44,11 @@ def environment(faults_plan: str | None = None) -> dict:
   return env
 
 
-def start(run_dir, gin_file, bindings, *, resume=False, faults_plan=None):
+def start(run_dir, gin_file, bindings, *, resume=False, faults_plan=None, env=None):
+  """`env`: more environment variables for the life (e.g. RAY_ADDRESS)."""
   return subprocess.Popen(command(run_dir, gin_file, bindings, resume=resume), cwd=ROOT,
-                          env=environment(faults_plan), stdout=subprocess.PIPE,
+                          env={**environment(faults_plan), **(env or {})},
+                          stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
 
 

@@ -271,7 +271,13 @@ def run_ray(parts, run_dir, *, resume: bool, progress: bool, log=print) -> dict:
 
   ray = require_ray()
   if not ray.is_initialized():
-    ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False)
+    address = os.environ.get("RAY_ADDRESS")
+    extra = {}
+    if address and address.startswith(ray_backend.LOOPBACK + ":"):
+      # A cluster on the loopback interface (one machine): this driver joins it there too,
+      # never on the machine's outward address.
+      extra = {"_node_ip_address": ray_backend.LOOPBACK, "namespace": "jaxrl_async"}
+    ray.init(address=address, log_to_driver=False, **extra)
   cfg = parts.config
   learner_place = {"node_resource": cfg.ray_learner_resource}
   buffer_actor = ray_backend.start_buffer_actor(buffer_kwargs(cfg), **learner_place)

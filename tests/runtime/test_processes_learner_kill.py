@@ -40,11 +40,13 @@ def _server_pids(run_dir) -> list[int]:
     return [s["pid"] for s in json.load(f)["servers"]]
 
 
-@pytest.mark.slow
-def test_a_sigkilled_learner_process_leaves_no_server_and_resumes(tmp_path):
-  run_dir = tmp_path / "run"
-  first = run_lives.start(run_dir, "gin/modes/async_partial.gin", BINDINGS,
-                          faults_plan="checkpoint.after_write=kill@2")
+def kill_learner_then_resume(run_dir, bindings, env=None) -> None:
+  """The learner process is SIGKILLed right after its second checkpoint; its rollout servers
+  must end with it, and `--resume` must finish the run with every group and prompt consumed
+  once, none both consumed and dropped, and every version logged once. `env`: more
+  environment variables for both lives."""
+  first = run_lives.start(run_dir, "gin/modes/async_partial.gin", bindings,
+                          faults_plan="checkpoint.after_write=kill@2", env=env)
   code, out, err, _ = run_lives.finish(first, 600)
   assert code == -9, f"the first life was not killed ({code}):\n{out[-2000:]}\n{err[-4000:]}"
   pids = _server_pids(run_dir)
@@ -55,7 +57,8 @@ def test_a_sigkilled_learner_process_leaves_no_server_and_resumes(tmp_path):
   assert not any(_running(p) for p in pids), (
       f"rollout servers {[p for p in pids if _running(p)]} outlived the killed learner")
 
-  second = run_lives.start(run_dir, "gin/modes/async_partial.gin", BINDINGS, resume=True)
+  second = run_lives.start(run_dir, "gin/modes/async_partial.gin", bindings, resume=True,
+                           env=env)
   code, out, err, _ = run_lives.finish(second, 600)
   assert code == 0, f"the resumed life failed ({code}):\n{out[-2000:]}\n{err[-4000:]}"
   assert "at policy_version 4" in out + err
@@ -75,3 +78,8 @@ def test_a_sigkilled_learner_process_leaves_no_server_and_resumes(tmp_path):
   versions = [r["policy_version"] for r in read_jsonl(run_dir / "metrics.jsonl")
               if "algo/version_gap_max" in r]
   assert versions == list(range(1, NUM_VERSIONS + 1))
+
+
+@pytest.mark.slow
+def test_a_sigkilled_learner_process_leaves_no_server_and_resumes(tmp_path):
+  kill_learner_then_resume(tmp_path / "run", BINDINGS)

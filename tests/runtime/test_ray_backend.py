@@ -367,3 +367,17 @@ def test_a_stopped_rollout_actor_is_found_by_the_heartbeat_and_restarted(cluster
   assert victim not in processes_tests.server_pids(tmp_path)
   with pytest.raises(ProcessLookupError):
     os.kill(victim, 0)
+
+
+@pytest.mark.slow
+def test_a_sigkilled_ray_driver_leaves_no_actor_and_resumes(cluster, tmp_path):
+  """The learner (the Ray driver, here a `launch.train` process joined to this cluster) is
+  SIGKILLed after its second checkpoint: Ray ends the rollout actors it owned, and `--resume`
+  (a new driver) finishes with every group and prompt consumed once across both lives."""
+  from tests.runtime import test_processes_learner_kill as learner_kill
+  bindings = learner_kill.BINDINGS + (
+      "RunConfig.backend = 'ray'", "RunConfig.ray_learner_resource = 'learner'",
+      "RunConfig.ray_rollout_resource = 'rollout'", "RunConfig.ray_rollout_cpus = 0.5")
+  learner_kill.kill_learner_then_resume(
+      tmp_path / "run", bindings,
+      env={"RAY_ADDRESS": cluster.address, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
