@@ -81,6 +81,11 @@ def main(argv=None) -> int:
   parser.add_argument("--modes", default=",".join(MODES))
   parser.add_argument("--eval_every_versions", type=int, default=20)
   parser.add_argument("--gin_bindings", action="append", default=[])
+  parser.add_argument("--variant", action="append", default=[],
+                      help="NAME=MODE:BINDING[;BINDING...]: one more run, of MODE's gin file "
+                           "with these bindings on top, reported as NAME (e.g. "
+                           "'async_partial_t2=async_partial:RunConfig.trigger_parameter_sync_step"
+                           " = 2')")
   parser.add_argument("--backend", choices=("threads", "processes"), default="threads",
                       help="how the async modes run their roles (sync runs in one process)")
   parser.add_argument("--warmup_samples", type=int, default=6400,
@@ -92,17 +97,26 @@ def main(argv=None) -> int:
   bindings = [f"RunConfig.total_samples = {args.total_samples}", f"RunConfig.seed = {args.seed}",
               f"RunConfig.eval_every_versions = {args.eval_every_versions}",
               "RunConfig.checkpoint_every_versions = 1000000", *args.gin_bindings]
+  runs = {mode: (mode, []) for mode in args.modes.split(",") if mode}
+  for spec in args.variant:
+    name, _, rest = spec.partition("=")
+    mode, _, extra = rest.partition(":")
+    if not name or mode not in MODES or name in runs:
+      parser.error(f"--variant {spec!r}: want NAME=MODE:BINDING[;BINDING...] with a new NAME "
+                   f"and MODE in {MODES}")
+    runs[name] = (mode, [b.strip() for b in extra.split(";") if b.strip()])
   compilation_cache.enable()
   results = {}
   with tempfile.TemporaryDirectory() as root:
     if args.warmup_samples:
       warmup = [*bindings, f"RunConfig.total_samples = {args.warmup_samples}"]
-      for mode in args.modes.split(","):
-        print(f"warming up {mode} ...", file=sys.stderr, flush=True)
-        run_mode(mode, warmup, os.path.join(root, f"warmup-{mode}"), args.backend)
-    for mode in args.modes.split(","):
-      print(f"running {mode} ...", file=sys.stderr, flush=True)
-      results[mode] = run_mode(mode, bindings, os.path.join(root, mode), args.backend)
+      for name, (mode, extra) in runs.items():
+        print(f"warming up {name} ...", file=sys.stderr, flush=True)
+        run_mode(mode, [*warmup, *extra], os.path.join(root, f"warmup-{name}"), args.backend)
+    for name, (mode, extra) in runs.items():
+      print(f"running {name} ...", file=sys.stderr, flush=True)
+      results[name] = run_mode(mode, [*bindings, *extra], os.path.join(root, name),
+                               args.backend)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     draw({mode: os.path.join(root, mode) for mode in results}, args.out)
   base = results.get("sync")
@@ -134,6 +148,8 @@ def main(argv=None) -> int:
   line = {"benchmark": "modes", "backend": args.backend,
           "total_samples": args.total_samples, "seed": args.seed,
           "warmup_samples": args.warmup_samples,
+          "variants": {name: {"mode": mode, "bindings": extra}
+                       for name, (mode, extra) in runs.items() if extra},
           "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "modes": table}
   os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
   with open(args.out + ".json", "w", encoding="utf-8") as f:

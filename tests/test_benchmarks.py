@@ -48,12 +48,16 @@ def test_learner_step_compares_packed_and_padded(tmp_path):
 def test_modes_runs_each_mode_and_compares_with_sync(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)  # modes.py changes to the repository root; restored afterwards
   out = tmp_path / "modes"
+  variant = "async_partial_t2=async_partial:RunConfig.trigger_parameter_sync_step = 2"
   assert modes.main(["--total_samples", "32", "--modes", "sync,async_partial",
+                     "--variant", variant,
                      "--warmup_samples", "16", "--eval_every_versions", "2", "--out", str(out),
                      *_bindings()]) == 0
   with open(f"{out}.json", encoding="utf-8") as f:
     result = json.load(f)
-  assert set(result["modes"]) == {"sync", "async_partial"}
+  assert set(result["modes"]) == {"sync", "async_partial", "async_partial_t2"}
+  assert result["variants"] == {"async_partial_t2": {
+      "mode": "async_partial", "bindings": ["RunConfig.trigger_parameter_sync_step = 2"]}}
   assert result["modes"]["sync"]["samples_per_s_vs_sync"] == 1.0
   for row in result["modes"].values():
     assert 0.0 <= row["final_accuracy"] <= 1.0 and row["samples_per_s"] > 0
@@ -62,6 +66,9 @@ def test_modes_runs_each_mode_and_compares_with_sync(tmp_path, monkeypatch):
   with open(tmp_path / "modes-report" / "index.html", encoding="utf-8") as f:
     page = f.read()
   assert "<th>sync</th>" in page and "<th>async_partial</th>" in page
+  assert "<th>async_partial_t2</th>" in page
+  with pytest.raises(SystemExit):  # an unknown mode in a variant is refused by name
+    modes.main(["--variant", "x=no_such_mode:RunConfig.seed = 1", *_bindings()])
   assert (tmp_path / "modes-report" / "timeline.png").is_file()
 
 
