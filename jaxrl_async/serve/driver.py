@@ -20,6 +20,7 @@ from jaxrl_async.rollout.generation import ContinuousBatcher, GenerationRequest,
 from jaxrl_async.types import Sample
 
 DONE = object()  # the last item of a stream's queue after all its samples finished
+CANCELLED = object()  # put by `Stream.cancel`: wakes the handler waiting on the queue
 
 
 class DriverStopped(RuntimeError):
@@ -55,7 +56,11 @@ class Stream:
     self.done = [False] * self.num_samples
 
   def cancel(self) -> None:
-    self.cancelled = True  # the driver drops its output; its slots finish on their own
+    """The driver drops the stream's output from now on (its slots finish on their own), and
+    the handler waiting on `chunks` wakes up and ends (else it would wait out its timeout)."""
+    if not self.cancelled:
+      self.cancelled = True
+      self.chunks.put(CANCELLED)
 
 
 class DecodeDriver:

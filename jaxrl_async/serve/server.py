@@ -29,7 +29,7 @@ from google.protobuf import unknown_fields
 from jaxrl_async.rollout.engine import Engine
 from jaxrl_async.serve import jetstream_pb2 as pb
 from jaxrl_async.serve import jetstream_pb2_grpc as pb_grpc
-from jaxrl_async.serve.driver import DONE, DecodeDriver, DriverStopped, StreamingBatcher
+from jaxrl_async.serve.driver import CANCELLED, DONE, DecodeDriver, DriverStopped, StreamingBatcher
 
 DEFAULT_HOST = "127.0.0.1"
 
@@ -121,7 +121,7 @@ def _merge_queued(chunk: list, chunks: queue.Queue):
       item = chunks.get_nowait()
     except queue.Empty:
       return chunk, None
-    if item is DONE or isinstance(item, BaseException):
+    if item is DONE or item is CANCELLED or isinstance(item, BaseException):
       return chunk, item
     for member, tokens in enumerate(item):
       chunk[member].extend(tokens)
@@ -164,7 +164,7 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         stream.cancel()
         context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                       f"no result within the server's stream_timeout_s={self.stream_timeout_s}")
-      if item is DONE:
+      if item is DONE or item is CANCELLED:
         return
       if isinstance(item, BaseException):
         context.abort(grpc.StatusCode.UNAVAILABLE, f"decode driver stopped: {item!r}")
@@ -172,7 +172,7 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
       samples = [pb.DecodeResponse.StreamContent.Sample(text=self._text(chunk), token_ids=chunk)
                  for chunk in item]
       yield pb.DecodeResponse(stream_content=pb.DecodeResponse.StreamContent(samples=samples))
-      if last is DONE:
+      if last is DONE or last is CANCELLED:
         return
       if isinstance(last, BaseException):
         context.abort(grpc.StatusCode.UNAVAILABLE, f"decode driver stopped: {last!r}")

@@ -4,6 +4,7 @@ INVALID_ARGUMENT naming the field; held-out evaluation through the server equals
 evaluation under greedy decoding."""
 
 import concurrent.futures
+import time
 
 import grpc
 import numpy as np
@@ -190,6 +191,36 @@ def test_a_cancelled_stream_leaves_the_server_serving(stub):
   call.cancel()
   assert decode(stub, prompt)[0]
   assert stub.HealthCheck(pb.HealthCheckRequest(), timeout=30).is_live
+
+
+def test_a_cancelled_stream_frees_its_handler_at_once(policy):
+  """A client that cancels mid-stream: the handler thread ends then, not at its stream timeout.
+  (It used to wait the whole stream_timeout_s on a queue nothing would fill once the request's
+  slots had run to their end, so stopping the server took that long.) The second engine step is
+  held for 2 s, so the cancel lands while the request is still decoding."""
+  faults.configure("rollout.decode_step=delay:2@2")
+  server = PolicyServer(policy, port=0, max_concurrent_decodes=SLOTS, seed=SEED,
+                        stream_timeout_s=300.0, merge_chunks=False).start()
+  try:
+    with grpc.insecure_channel(server.address) as channel:
+      stub = pb_grpc.OrchestratorStub(channel)
+      call = stub.Decode(pb.DecodeRequest(token_content=pb.DecodeRequest.TokenContent(
+          token_ids=TASK.problem(9).prompt_tokens.tolist())), timeout=60)
+      next(call)
+      call.cancel()
+      # The cancelled request's slots run on to their end; once they have, nothing of the
+      # driver's refers to the stream any more (stopping the driver would not wake it).
+      deadline = time.monotonic() + 60.0
+      time.sleep(2.5)
+      while not server.driver.batcher.idle and time.monotonic() < deadline:
+        time.sleep(0.05)
+      assert server.driver.batcher.idle
+  finally:
+    faults.configure(None)
+    began = time.monotonic()
+    server.stop()  # waits for every handler thread to end
+    stop_s = time.monotonic() - began
+  assert stop_s < 60.0, f"stopping the server took {stop_s:.0f} s"
 
 
 def test_evaluation_through_the_server_equals_local_evaluation(policy, greedy_server):
