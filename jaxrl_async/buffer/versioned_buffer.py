@@ -140,8 +140,6 @@ class VersionedBuffer:
     bounds the waits of the whole call instead of each sample's.
     """
     deadline = check_timeout("put", timeout)
-    if not one_deadline:
-      deadline = None
     group_size, drop_truncated = self._group_size, self._drop_truncated
     partial, acc, clock = self._partial, self._acc, self._clock
     handoff = False
@@ -158,7 +156,7 @@ class VersionedBuffer:
           group_id = sample.group_id
           if self._closed or acc.queued >= self._capacity:
             self._wait(self._space_cv, "space", self._has_space,
-                       deadline if deadline is not None else time.monotonic() + timeout,
+                       deadline if one_deadline else time.monotonic() + timeout,
                        "put", timeout)
           group = partial.get(group_id)
           if group is not None and group.slots[index] is not None:

@@ -32,7 +32,6 @@ from jaxrl_async.runtime.interfaces import (
   BufferClient,
   LocalBufferClient,
   check_acquire_args,
-  put_batch,
 )
 
 # Seconds a client waits for a reply beyond the call's own timeout (transport, pickling).
@@ -166,7 +165,7 @@ class BufferService:
   def _rpc_put_many(self, client, samples, timeout):
     put = len(samples)
     try:
-      put_batch(self.buffer, samples, timeout)
+      self.buffer.put_many(samples, timeout, one_deadline=True)
     except Exception as error:
       put = getattr(error, "num_put", 0)
       raise

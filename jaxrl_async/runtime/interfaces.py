@@ -34,15 +34,6 @@ def check_acquire_args(max_count: int, timeout: float) -> None:
                      "seconds >= 0 (0 = do not wait)")
 
 
-def put_batch(buffer: VersionedBuffer, samples: list[Sample], timeout: float) -> None:
-  """Puts `samples` in order within `timeout` seconds in all, under one acquisition of the
-  buffer's lock; an error raised part way carries `num_put`, the samples that did go in (they
-  stay in the buffer)."""
-  if not (is_finite_real(timeout) and timeout > 0):
-    raise ValueError(f"put_many: timeout={timeout!r} must be a finite number of seconds > 0")
-  buffer.put_many(samples, timeout, one_deadline=True)
-
-
 class BufferClient(abc.ABC):
   """The versioned buffer as seen by one role (see buffer/versioned_buffer.py for semantics)."""
 
@@ -107,7 +98,7 @@ class LocalBufferClient(BufferClient):
     self.buffer = buffer
 
   def put_many(self, samples, timeout):
-    put_batch(self.buffer, samples, timeout)
+    self.buffer.put_many(samples, timeout, one_deadline=True)
 
   def acquire_group_slots(self, max_count, timeout, *, starts=None, holding_version=None):
     del starts, holding_version  # in one process the roles share their fate: nothing to record

