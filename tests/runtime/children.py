@@ -74,4 +74,8 @@ def sleep_without_death_signal(seconds: float) -> None:
   """Clears the death signal child.spawn set, then sleeps: an orphan, the control case."""
   import ctypes
   ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 0)  # PR_SET_PDEATHSIG, none
+  ready = os.environ.get("JAXRL_ASYNC_TEST_ORPHAN_READY")
+  if ready:  # the test kills the parent only once the signal is cleared
+    with open(ready, "w", encoding="utf-8") as f:
+      f.write("cleared")
   time.sleep(seconds)

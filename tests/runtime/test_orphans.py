@@ -45,12 +45,18 @@ def _wait(predicate, timeout: float) -> bool:
   return predicate()
 
 
-def _spawn_and_kill_parent(tmp_path, target: str) -> int:
-  """Starts a parent that spawns `target` in a child, SIGKILLs the parent; the child's pid."""
+def _spawn_and_kill_parent(tmp_path, target: str, ready_file: str | None = None) -> int:
+  """Starts a parent that spawns `target` in a child, SIGKILLs the parent; the child's pid.
+  ready_file: the parent is killed only once the child has written it."""
   pid_file = str(tmp_path / "child.pid")
-  parent = subprocess.Popen([sys.executable, "-c", PARENT, pid_file, target], cwd=ROOT)
+  env = dict(os.environ)
+  if ready_file:
+    env["JAXRL_ASYNC_TEST_ORPHAN_READY"] = ready_file
+  parent = subprocess.Popen([sys.executable, "-c", PARENT, pid_file, target], cwd=ROOT, env=env)
   try:
     assert _wait(lambda: os.path.exists(pid_file), 60.0), "the parent never spawned its child"
+    if ready_file:
+      assert _wait(lambda: os.path.exists(ready_file), 60.0), "the child never got ready"
     with open(pid_file, encoding="utf-8") as f:
       child_pid = int(f.read())
     assert _running(child_pid), "the child was not running before the parent was killed"
@@ -72,7 +78,10 @@ def test_a_child_ends_when_its_parent_is_sigkilled(tmp_path):
 def test_the_check_sees_an_orphan_that_lost_its_death_signal(tmp_path):
   """The control: without the death signal the child would outlive its parent, so the test
   above can fail."""
-  child_pid = _spawn_and_kill_parent(tmp_path, "tests.runtime.children:sleep_without_death_signal")
+  # Killed only after the child cleared its death signal: killed before, it would die with
+  # the parent (the signal is set before the target runs), and the control would not hold.
+  child_pid = _spawn_and_kill_parent(tmp_path, "tests.runtime.children:sleep_without_death_signal",
+                                     ready_file=str(tmp_path / "cleared"))
   try:
     time.sleep(2.0)
     assert _running(child_pid)

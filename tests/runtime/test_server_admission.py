@@ -1,0 +1,68 @@
+"""A rollout server that the buffer refuses does not ask again at every decode step: only under
+a new version (a new admission window) or after its poll interval (a drop may have refunded a
+slot). Each ask is a round trip to the learner's process."""
+
+import time
+
+import jax
+import numpy as np
+
+from jaxrl_async.config import RunConfig
+from jaxrl_async.model import init_model, split_model
+from jaxrl_async.runtime import LocalBufferClient, assembly
+from jaxrl_async.runtime.processes import make_buffer
+from jaxrl_async.runtime.rollout_server import RolloutServer
+from jaxrl_async.runtime.shm_channel import SharedMemoryWeightChannel
+from jaxrl_async.tasks.reverse import DigitReverseTask
+
+
+class CountingClient(LocalBufferClient):
+  """The real buffer behind the real client, with every admission call recorded."""
+
+  def __init__(self, buffer):
+    super().__init__(buffer)
+    self.calls: list[tuple[float, int, int, int]] = []  # (when, version, asked, granted)
+
+  def acquire_group_slots(self, max_count, timeout, *, starts=None, holding_version=None):
+    granted = super().acquire_group_slots(max_count, timeout, starts=starts,
+                                          holding_version=holding_version)
+    self.calls.append((time.monotonic(), holding_version, max_count, granted))
+    return granted
+
+
+def test_a_refused_server_waits_for_a_new_window_or_its_poll_interval():
+  config = RunConfig(task=DigitReverseTask(0, max_len=8), group_size=4, mini_batch_size=2,
+                     max_concurrent_decodes=8, eval_size=8, mode="async_stale",
+                     staleness_threshold=1.0, backend="processes")
+  _, model_config, _, _, abstract = assembly.model_parts(config)
+  _, params = split_model(init_model(model_config, seed=0))
+  channel = SharedMemoryWeightChannel.create(abstract)
+  channel.publish(0, jax.tree.map(np.asarray, params))
+  buffer = make_buffer(config)
+  client = CountingClient(buffer)
+  reader = SharedMemoryWeightChannel.attach(channel.name, abstract)
+  server = RolloutServer(config, server_index=0, num_servers=1, buffer=client, channel=reader)
+  try:
+    server.start(30.0)
+    # Nobody consumes: the window (floor(2 * 2) = 4 groups) is spent after the first asks,
+    # while the admitted groups still decode step by step.
+    deadline = time.monotonic() + 120.0
+    while sum(1 for c in client.calls if c[3] < c[2]) < 5:
+      assert time.monotonic() < deadline, f"too few refusals: {client.calls}"
+      time.sleep(0.05)
+    poll_s = server.rollouter.poll_s
+    refusals = 0
+    for (when, version, asked, granted), (later, next_version, _, _) in zip(
+        client.calls, client.calls[1:]):
+      if granted < asked and next_version == version:
+        refusals += 1
+        assert later - when >= 0.9 * poll_s, (
+            f"asked again {1e3 * (later - when):.2f} ms after a refusal at version {version} "
+            f"(poll interval {1e3 * poll_s:.0f} ms)")
+    assert refusals >= 4
+    assert buffer.counts["put"] > 0
+  finally:
+    server.stop(60.0)
+    reader.close()
+    buffer.close()
+    channel.close()
