@@ -9,7 +9,11 @@ them one after the other. Measured side by side in one invocation:
 - `xla_threads`: the same chain in 2 threads of one process (how the roles run);
 - `roles`: the default run's learner update loop and rollout loop (generation + reward) on
   their own, then both at once in two threads: the ceiling of async samples/s over sync
-  samples/s for this workload, before any pipeline coupling between the roles.
+  samples/s for this workload (threads backend), before any pipeline coupling between the roles;
+- `roles_processes`: the same two loops in two processes laid out as the processes backend
+  lays out a run (the rollout process pinned to its cores, one XLA thread per core): each
+  alone, then both at once; `speedup_over_one_process` is the processes backend's ceiling
+  over sync (the two loops one after the other in one process on every core).
 
 A speedup of 2.0 means two computations cost the time of one; 1.0 means no gain at all.
 
@@ -99,13 +103,13 @@ def _two_threads(fn) -> dict:
   return {"one_s": alone, "two_at_once_s": both, "speedup": 2 * alone / both}
 
 
-def _roles(batches: int, bindings=()) -> dict:
-  """The learner loop and the rollout loop of the default run: alone, then in two threads."""
+def _role_loops(bindings=()):
+  """The default run's learner update loop and rollout loop (generation + reward), compiled:
+  (learn(n), roll(n), close())."""
   import jax
 
   import gin
   from jaxrl_async import compilation_cache, controller
-  from jaxrl_async.async_controller import GIL_SWITCH_INTERVAL_S
   from jaxrl_async.config import RunConfig
   from launch.train import DEFAULT_GIN, load_config
   compilation_cache.enable()
@@ -139,6 +143,14 @@ def _roles(batches: int, bindings=()) -> dict:
       rollout_batch()
 
   learn(3 * len(data))  # every packed shape of the data compiled
+  roll(4)
+  return learn, roll, parts.rewards.close
+
+
+def _roles(batches: int, bindings=()) -> dict:
+  """The learner loop and the rollout loop of the default run: alone, then in two threads."""
+  from jaxrl_async.async_controller import GIL_SWITCH_INTERVAL_S
+  learn, roll, close = _role_loops(bindings)
   roll(batches // 4)
   learner_s = _in_threads(lambda: learn(batches))
   rollout_s = _in_threads(lambda: roll(batches))
@@ -146,11 +158,59 @@ def _roles(batches: int, bindings=()) -> dict:
   sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # as in async runs
   both_s = _in_threads(lambda: learn(batches), lambda: roll(batches))
   sys.setswitchinterval(previous)
-  parts.rewards.close()
+  close()
   return {"batches": batches, "learner_ms_per_batch": 1e3 * learner_s / batches,
           "rollout_ms_per_batch": 1e3 * rollout_s / batches,
           "both_in_threads_ms_per_batch": 1e3 * both_s / batches,
           "speedup": (learner_s + rollout_s) / both_s}
+
+
+def role_process(role: str, batches: int, bindings, barrier, results) -> None:
+  """In a child: one role's loop, compiled, then run `batches` times after the barrier."""
+  learn, roll, close = _role_loops(bindings)
+  loop = learn if role == "learner" else roll
+  barrier.wait()
+  began = time.time()
+  loop(batches)
+  results[role] = (began, time.time())
+  close()
+
+
+def _roles_processes(batches: int, bindings, one_process: dict) -> dict:
+  """The two role loops in two processes laid out as the processes backend lays out a run:
+  the learner's process on every core with XLA's default threads, the rollout server pinned
+  to its share of the cores with one XLA thread per core (runtime/child.py). Each alone, then
+  both at once. `speedup_over_one_process`: the two loops one after the other in one process
+  on every core (how sync runs them, from `roles`) over both at once here: the ceiling of the
+  processes backend's async samples/s over sync's, before any coupling between the roles."""
+  from jaxrl_async.runtime import child
+  _, (server_cores,) = child.core_shares(1)
+  context = mp.get_context("spawn")
+  spans = {}
+  with context.Manager() as manager:
+    for roles in (("learner",), ("rollout",), ("learner", "rollout")):
+      barrier, results = manager.Barrier(len(roles)), manager.dict()
+      processes = [child.spawn("benchmarks.concurrency_ceiling:role_process",
+                               (role, batches, list(bindings), barrier, results),
+                               name=f"ceiling-{role}",
+                               cores=server_cores if role == "rollout" else None,
+                               env=child.child_env(server_cores) if role == "rollout" else None)
+                   for role in roles]
+      for process in processes:
+        process.join(1800)
+        if child.reap(process) != 0:
+          raise RuntimeError(f"{process.name} failed (exit code {process.exitcode})")
+      times = dict(results)
+      spans[roles] = (max(end for _, end in times.values())
+                      - min(start for start, _ in times.values()))
+  both = spans[("learner", "rollout")]
+  in_one = (one_process["learner_ms_per_batch"] + one_process["rollout_ms_per_batch"]) * (
+      batches / 1e3)
+  return {"batches": batches, "rollout_cores": server_cores,
+          "learner_ms_per_batch": 1e3 * spans[("learner",)] / batches,
+          "rollout_pinned_ms_per_batch": 1e3 * spans[("rollout",)] / batches,
+          "both_ms_per_batch": 1e3 * both / batches,
+          "speedup_over_one_process": in_one / both}
 
 
 def main(argv=None) -> int:
@@ -171,6 +231,8 @@ def main(argv=None) -> int:
   record["xla_threads"] = _two_threads(_xla_work(args.matrix))
   print("roles (default run) ...", file=sys.stderr, flush=True)
   record["roles"] = _roles(args.batches, args.gin_bindings)
+  print("roles as processes (the processes backend's layout) ...", file=sys.stderr, flush=True)
+  record["roles_processes"] = _roles_processes(args.batches, args.gin_bindings, record["roles"])
   emit_json_line(record, args.out)
   return 0
 

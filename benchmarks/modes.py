@@ -9,6 +9,11 @@ its figures) and <out>.png, the report's overview (accuracy against wall-clock f
 samples/s and idle ratios).
 Each mode runs from its gin file in gin/modes/, so the benchmark measures what users run.
 
+Single runs of ~15 s vary by about +-15% here (run to run, same settings). `--repeats N` runs
+N rounds, each round every mode once in turn (sync, async, sync, async, ...), and reports the
+median of each figure over the rounds with the spread of samples/s and of its ratio to the
+same round's sync run (`*_min`, `*_max`); every round's figures are kept in <out>.json.
+
 Compilation is kept out of the comparison: XLA's persistent compilation cache is on
 (`jaxrl_async.compilation_cache`), and every mode first runs `--warmup_samples` samples
 (discarded), so the measured runs load their executables instead of compiling them (each run
@@ -21,6 +26,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -57,6 +63,58 @@ def run_mode(mode: str, bindings: list[str], run_dir: str, backend: str = "threa
   }
 
 
+def mode_rows(results: dict) -> dict:
+  """Each run's figures, and its ratios against the sync run of the same round."""
+  base = results.get("sync")
+  table = {}
+  for mode, result in results.items():
+    summary = result["summary"]
+    row = {
+        "final_accuracy": summary["eval/accuracy"],
+        "samples_per_s": summary["system/samples_per_s"],
+        "wall_s": summary["system/wall_s"],
+        **{f"{role}_idle_ratio": summary[f"{role}/idle_ratio"]
+           for role in ("rollout", "reward", "learner", "sync")},
+        "version_gap_max": result["version_gap_max"],
+        "stale_ratio_mean": result["stale_ratio_mean"],
+        "partial_ratio_mean": result["partial_ratio_mean"],
+        "max_partial_span": result["max_partial_span"],
+    }
+    if base is not None:
+      target = base["summary"]["eval/accuracy"]
+      reach = time_to_reach(result["curve"], target)
+      row["samples_per_s_vs_sync"] = row["samples_per_s"] / base["summary"][
+          "system/samples_per_s"]
+      row["time_to_sync_final_accuracy_s"] = reach
+      sync_reach = time_to_reach(base["curve"], target)
+      row["time_to_sync_final_accuracy_vs_sync"] = (
+          None if reach is None or not sync_reach else reach / sync_reach)
+      row["accuracy_minus_sync"] = row["final_accuracy"] - target
+    table[mode] = row
+  return table
+
+
+def median_row(rows: list[dict]) -> dict:
+  """The median of every figure over the rounds (None where a round has none: a run that never
+  reached sync's accuracy), the spread of samples/s and of its ratio, and the rounds' count.
+  version_gap_max is the maximum over the rounds (a bound holds only if it holds in each)."""
+  out = {}
+  for key in rows[0]:
+    values = [row[key] for row in rows]
+    if key == "version_gap_max":
+      out[key] = max(values)
+    elif any(v is None for v in values):
+      out[key] = None
+    else:
+      out[key] = float(statistics.median(values))
+  for key in ("samples_per_s", "samples_per_s_vs_sync"):
+    if key in rows[0]:
+      out[f"{key}_min"] = min(row[key] for row in rows)
+      out[f"{key}_max"] = max(row[key] for row in rows)
+  out["rounds"] = len(rows)
+  return out
+
+
 def time_to_reach(curve, target: float) -> float | None:
   for time_s, _, accuracy in curve:
     if accuracy >= target:
@@ -90,9 +148,16 @@ def main(argv=None) -> int:
                       help="how the async modes run their roles (sync runs in one process)")
   parser.add_argument("--warmup_samples", type=int, default=6400,
                       help="samples per mode run first and discarded (fills the compile cache)")
+  parser.add_argument("--repeats", type=int, default=1,
+                      help="rounds of every mode, interleaved (sync, async, sync, async ...); "
+                           "with more than one, each figure is the median over the rounds "
+                           "(ratios: the median of each round's ratio) and every round is "
+                           "kept under 'rounds'")
   parser.add_argument("--out", default=os.path.join(
       "benchmarks", "results", f"modes-{time.strftime('%Y%m%d-%H%M%S')}"))
   args = parser.parse_args(argv)
+  if args.repeats < 1:
+    parser.error(f"--repeats must be >= 1, got {args.repeats}")
   os.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   bindings = [f"RunConfig.total_samples = {args.total_samples}", f"RunConfig.seed = {args.seed}",
               f"RunConfig.eval_every_versions = {args.eval_every_versions}",
@@ -106,54 +171,36 @@ def main(argv=None) -> int:
                    f"and MODE in {MODES}")
     runs[name] = (mode, [b.strip() for b in extra.split(";") if b.strip()])
   compilation_cache.enable()
-  results = {}
+  rounds: list[dict] = []  # one {name: result} per repeat
   with tempfile.TemporaryDirectory() as root:
     if args.warmup_samples:
       warmup = [*bindings, f"RunConfig.total_samples = {args.warmup_samples}"]
       for name, (mode, extra) in runs.items():
         print(f"warming up {name} ...", file=sys.stderr, flush=True)
         run_mode(mode, [*warmup, *extra], os.path.join(root, f"warmup-{name}"), args.backend)
-    for name, (mode, extra) in runs.items():
-      print(f"running {name} ...", file=sys.stderr, flush=True)
-      results[name] = run_mode(mode, [*bindings, *extra], os.path.join(root, name),
-                               args.backend)
+    for repeat in range(args.repeats):  # interleaved: each round runs every mode once
+      results = {}
+      for name, (mode, extra) in runs.items():
+        suffix = f" (round {repeat + 1} of {args.repeats})" if args.repeats > 1 else ""
+        print(f"running {name}{suffix} ...", file=sys.stderr, flush=True)
+        results[name] = run_mode(mode, [*bindings, *extra],
+                                 os.path.join(root, f"{name}-{repeat}"), args.backend)
+      rounds.append(results)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    draw({mode: os.path.join(root, mode) for mode in results}, args.out)
-  base = results.get("sync")
-  table = {}
-  for mode, result in results.items():
-    summary = result["summary"]
-    row = {
-        "final_accuracy": summary["eval/accuracy"],
-        "samples_per_s": summary["system/samples_per_s"],
-        "wall_s": summary["system/wall_s"],
-        **{f"{role}_idle_ratio": summary[f"{role}/idle_ratio"]
-           for role in ("rollout", "reward", "learner", "sync")},
-        "version_gap_max": result["version_gap_max"],
-        "stale_ratio_mean": result["stale_ratio_mean"],
-        "partial_ratio_mean": result["partial_ratio_mean"],
-        "max_partial_span": result["max_partial_span"],
-    }
-    if base is not None:
-      target = base["summary"]["eval/accuracy"]
-      reach = time_to_reach(result["curve"], target)
-      row["samples_per_s_vs_sync"] = row["samples_per_s"] / base["summary"][
-          "system/samples_per_s"]
-      row["time_to_sync_final_accuracy_s"] = reach
-      sync_reach = time_to_reach(base["curve"], target)
-      row["time_to_sync_final_accuracy_vs_sync"] = (
-          None if reach is None or not sync_reach else reach / sync_reach)
-      row["accuracy_minus_sync"] = row["final_accuracy"] - target
-    table[mode] = row
+    draw({mode: os.path.join(root, f"{mode}-0") for mode in rounds[0]}, args.out)
+  per_round = [mode_rows(results) for results in rounds]
+  table = per_round[0] if args.repeats == 1 else {
+      name: median_row([rows[name] for rows in per_round]) for name in per_round[0]}
   line = {"benchmark": "modes", "backend": args.backend,
           "total_samples": args.total_samples, "seed": args.seed,
-          "warmup_samples": args.warmup_samples,
+          "warmup_samples": args.warmup_samples, "repeats": args.repeats,
           "variants": {name: {"mode": mode, "bindings": extra}
                        for name, (mode, extra) in runs.items() if extra},
           "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "modes": table}
   os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
   with open(args.out + ".json", "w", encoding="utf-8") as f:
-    json.dump({**line, "curves": {m: r["curve"] for m, r in results.items()}}, f, indent=1)
+    json.dump({**line, "curves": {m: r["curve"] for m, r in rounds[0].items()},
+               **({"rounds": per_round} if args.repeats > 1 else {})}, f, indent=1)
   print(json.dumps(line))
   return 0
 

@@ -12,6 +12,7 @@ Token-level values travel as (sum, count) pairs and are divided only here, when 
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import json
@@ -45,7 +46,11 @@ class RoleTimer:
     self._active_since: dict[str, float] = {}
     self._span_begin: dict[str, float] = {}
     self._spans: collections.deque = collections.deque(maxlen=max_spans)
+    self._closed = 0  # spans closed so far (the deque keeps the latest)
     self._excluded = 0.0
+    self._exclusions: list[tuple[float, float]] = []  # (begin, end) on the clock, in order
+    self._exclusion_begins: list[float] = []
+    self._excluded_through: list[float] = []  # excluded seconds up to the end of each one
     self.start = clock()
 
   @contextlib.contextmanager
@@ -73,11 +78,43 @@ class RoleTimer:
         now = self._clock()
         self._busy[role] += now - self._active_since.pop(role)
         self._spans.append((role, self._span_begin.pop(role), now - self.start - self._excluded))
+        self._closed += 1
 
   def spans(self) -> list[tuple[str, float, float]]:
     """The latest closed busy spans, (role, start_s, end_s) on the `wall_s` clock, oldest first."""
     with self._lock:
       return list(self._spans)
+
+  def spans_since(self, closed: int) -> tuple[int, list[tuple[str, float, float]]]:
+    """(spans closed so far, the ones closed after the first `closed` of them that are still
+    kept) with their times on the clock itself (`clock()` values), for another process's
+    timer to merge with `add_spans`. Needs a timer that excludes nothing (a rollout server's)."""
+    with self._lock:
+      if self._exclusions:
+        raise RuntimeError("spans_since needs a timer without excluded time")
+      new = min(self._closed - closed, len(self._spans))
+      spans = list(self._spans)[len(self._spans) - new:] if new > 0 else []
+      return self._closed, [(role, self.start + a, self.start + b) for role, a, b in spans]
+
+  def add_spans(self, spans) -> None:
+    """Spans recorded elsewhere (`spans_since` of a rollout server on this host: the same
+    monotonic clock), as (role, start, end) `clock()` values, put on this timer's `wall_s`
+    clock (excluded time removed). Only the span record: busy totals are not changed."""
+    with self._lock:
+      for role, begin, end in spans:
+        if role not in self._busy:
+          raise KeyError(f"unknown role {role!r}; roles are {sorted(self._busy)}")
+        self._spans.append((role, self._on_wall(begin), self._on_wall(end)))
+        self._closed += 1
+
+  def _on_wall(self, t: float) -> float:
+    """A `clock()` value as seconds of `wall_s` (a time inside an excluded interval maps to
+    the interval's start). Lock held."""
+    i = bisect.bisect_left(self._exclusion_begins, t) - 1  # the last one that began before t
+    if i < 0:
+      return t - self.start
+    begin, end = self._exclusions[i]
+    return t - self.start - (self._excluded_through[i] - (end - begin) + min(end, t) - begin)
 
   @contextlib.contextmanager
   def excluded(self):
@@ -87,7 +124,15 @@ class RoleTimer:
       yield
     finally:
       with self._lock:
-        self._excluded += self._clock() - begin
+        end = self._clock()
+        self._excluded += end - begin
+        while self._exclusions and self._exclusions[-1][0] >= begin:  # nested in this one
+          self._exclusions.pop()
+          self._exclusion_begins.pop()
+          self._excluded_through.pop()
+        self._exclusions.append((begin, end))
+        self._exclusion_begins.append(begin)
+        self._excluded_through.append(self._excluded)
 
   def wall_s(self) -> float:
     return self._clock() - self.start - self._excluded

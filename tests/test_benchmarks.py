@@ -50,11 +50,20 @@ def test_modes_runs_each_mode_and_compares_with_sync(tmp_path, monkeypatch):
   out = tmp_path / "modes"
   variant = "async_partial_t2=async_partial:RunConfig.trigger_parameter_sync_step = 2"
   assert modes.main(["--total_samples", "32", "--modes", "sync,async_partial",
-                     "--variant", variant,
+                     "--variant", variant, "--repeats", "2",
                      "--warmup_samples", "16", "--eval_every_versions", "2", "--out", str(out),
                      *_bindings()]) == 0
   with open(f"{out}.json", encoding="utf-8") as f:
     result = json.load(f)
+  assert result["repeats"] == 2 and len(result["rounds"]) == 2
+  for name, row in result["modes"].items():  # the median of the two rounds, and their spread
+    speeds = [r[name]["samples_per_s"] for r in result["rounds"]]
+    assert row["rounds"] == 2
+    assert row["samples_per_s"] == pytest.approx(sum(speeds) / 2)
+    assert (row["samples_per_s_min"], row["samples_per_s_max"]) == (min(speeds), max(speeds))
+    assert row["version_gap_max"] == max(r[name]["version_gap_max"] for r in result["rounds"])
+    ratios = [r[name]["samples_per_s"] / r["sync"]["samples_per_s"] for r in result["rounds"]]
+    assert row["samples_per_s_vs_sync"] == pytest.approx(sum(ratios) / 2)
   assert set(result["modes"]) == {"sync", "async_partial", "async_partial_t2"}
   assert result["variants"] == {"async_partial_t2": {
       "mode": "async_partial", "bindings": ["RunConfig.trigger_parameter_sync_step = 2"]}}
@@ -69,6 +78,8 @@ def test_modes_runs_each_mode_and_compares_with_sync(tmp_path, monkeypatch):
   assert "<th>async_partial_t2</th>" in page
   with pytest.raises(SystemExit):  # an unknown mode in a variant is refused by name
     modes.main(["--variant", "x=no_such_mode:RunConfig.seed = 1", *_bindings()])
+  with pytest.raises(SystemExit):
+    modes.main(["--repeats", "0", *_bindings()])
   assert (tmp_path / "modes-report" / "timeline.png").is_file()
 
 
@@ -80,6 +91,10 @@ def test_concurrency_ceiling_reports_every_pair(tmp_path):
   record = _read(out)
   for part in ("python_processes", "xla_processes", "xla_threads", "roles"):
     assert record[part]["speedup"] > 0, part
+  layout = record["roles_processes"]  # the loops in the processes backend's layout
+  assert layout["batches"] == 4 and layout["speedup_over_one_process"] > 0
+  assert layout["both_ms_per_batch"] >= 0.5 * max(layout["learner_ms_per_batch"],
+                                                  layout["rollout_pinned_ms_per_batch"])
 
 
 @pytest.mark.slow

@@ -215,6 +215,47 @@ def test_spans_keep_only_the_latest():
   assert timer.summary()["sync/busy_s"] == 5.0  # the busy time still counts every interval
 
 
+def test_spans_of_another_timer_land_on_this_timers_clock_without_its_excluded_time():
+  clock = FakeClock()
+  learner = metrics.RoleTimer(clock=clock)  # starts at 100
+  clock.advance(2.0)
+  server = metrics.RoleTimer(clock=clock)  # a rollout server started 2 s later
+  with server.busy("rollout"):
+    clock.advance(1.0)  # 102..103
+  closed, spans = server.spans_since(0)
+  assert closed == 1 and spans == [("rollout", 102.0, 103.0)]
+  with learner.excluded():  # an evaluation: 103..107
+    clock.advance(4.0)
+  with server.busy("rollout"):
+    clock.advance(1.0)  # 107..108
+  with server.busy("reward"):
+    with learner.excluded():  # a checkpoint inside it: 108..109
+      clock.advance(0.5)
+      clock.advance(0.5)
+    clock.advance(0.5)  # 108..109.5
+  closed, later = server.spans_since(closed)
+  assert closed == 3 and later == [("rollout", 107.0, 108.0), ("reward", 108.0, 109.5)]
+  assert server.spans_since(closed) == (3, [])
+  learner.add_spans(spans + later)
+  assert learner.spans() == [("rollout", 2.0, 3.0), ("rollout", 3.0, 4.0), ("reward", 4.0, 4.5)]
+  assert learner.wall_s() == pytest.approx(4.5)
+  assert learner.summary()["rollout/busy_s"] == 0.0  # a record only: busy totals are the server's
+  with pytest.raises(KeyError, match="unknown role"):
+    learner.add_spans([("decode", 0.0, 1.0)])
+  with pytest.raises(RuntimeError, match="without excluded time"):
+    learner.spans_since(0)
+
+
+def test_spans_since_hands_out_only_the_kept_ones():
+  clock = FakeClock()
+  timer = metrics.RoleTimer(clock=clock, max_spans=2)
+  for _ in range(4):
+    with timer.busy("sync"):
+      clock.advance(1.0)
+  closed, spans = timer.spans_since(1)
+  assert closed == 4 and spans == [("sync", 102.0, 103.0), ("sync", 103.0, 104.0)]
+
+
 # ---- JSONL --------------------------------------------------------------------------------------
 def test_jsonl_writer_writes_non_finite_as_null(tmp_path):
   path = tmp_path / "run" / "metrics.jsonl"

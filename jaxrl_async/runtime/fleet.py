@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import socket
 import threading
 from typing import Any
 
@@ -27,8 +28,20 @@ REVOKE_TIMEOUT_S = 120.0
 SPAWN_TIMEOUT_S = 600.0
 
 
+MAX_PENDING_SPANS = 50_000  # server busy spans held for the learner's timer between takes
+
+
 class RolloutServerFailed(RuntimeError):
   """A rollout server's role raised, or servers kept dying past `max_restarts`."""
+
+
+def keep_spans(pending: list, health: dict) -> None:
+  """The busy spans of a server's health answer, held for the learner's timer. Only a server
+  on this host: its spans are times of this host's monotonic clock (another host's clock is
+  not comparable, and its spans are left out of the timeline; its busy totals still count)."""
+  if health.get("host") == socket.gethostname() and health.get("spans"):
+    pending.extend(health["spans"])
+    del pending[:-MAX_PENDING_SPANS]
 
 
 class Fleet:
@@ -58,6 +71,7 @@ class Fleet:
       self.counts[f"runtime/reissued_samples/{reason}"] = 0
     self.final_counts: list[dict] = []  # counts of servers that ended (stopped or replaced)
     self.last_health: list[dict] = [{}] * self.num_servers
+    self.pending_spans: list = []  # servers' busy spans not yet taken (take_spans)
     # Children die with the thread that spawned them (child.py): one thread spawns them all and
     # lives until `stop`, whichever thread asks for a replacement.
     self._spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fleet-spawner")
@@ -146,6 +160,7 @@ class Fleet:
           self.replace(index, "server_died")
           continue
         self.last_health[index] = health
+        keep_spans(self.pending_spans, health)
         if health["error"] is not None:
           raise RolloutServerFailed(f"rollout server {index} failed: {health['error']}")
 
@@ -201,6 +216,13 @@ class Fleet:
         out[f"{role}/idle_ratio"] = sum(t[f"{role}/idle_ratio"] for t in timers) / len(timers)
     return out
 
+  def take_spans(self) -> list:
+    """The servers' busy spans received since the last call ((role, start, end), this host's
+    monotonic clock), for the learner's timer (`RoleTimer.add_spans`)."""
+    with self._lock:
+      spans, self.pending_spans = self.pending_spans, []
+    return spans
+
   def stop(self, timeout: float = 60.0) -> None:
     """Stops every server (each counts what it aborts as 'shutdown') and reaps them all."""
     with self._lock:
@@ -210,6 +232,7 @@ class Fleet:
         try:
           if server.alive:
             self.last_health[index] = server.stop(timeout)
+            keep_spans(self.pending_spans, self.last_health[index])
         except (wire.ServiceTimeout, wire.ServiceGone, EOFError, OSError) as error:
           self.log(f"rollout server {index} did not stop cleanly ({error!r}): killed")
         finally:

@@ -29,12 +29,13 @@ from jaxrl_async.controller import (
 )
 from jaxrl_async.learner.learner import LearnerRole
 from jaxrl_async.ledger import LEDGER_FILE, SampleLedger, log_offsets, rewind_logs
-from jaxrl_async.metrics import JsonlWriter, RoleTimer
+from jaxrl_async.metrics import RoleTimer
 from jaxrl_async.runtime import child
 from jaxrl_async.runtime.assembly import PROCESS_CHANNELS
 from jaxrl_async.runtime.buffer_service import BufferService
 from jaxrl_async.runtime.fleet import Fleet, RolloutServerFailed
 from jaxrl_async.runtime.shm_channel import SharedMemoryWeightChannel
+from jaxrl_async.sinks import make_writer
 from jaxrl_async.sync import OrbaxStoreChannel
 from jaxrl_async.types import Sample
 
@@ -89,7 +90,7 @@ def write_ledger(path: str, service: BufferService, consumed: list[list[int]]) -
 def run_processes(parts, run_dir, *, resume: bool, progress: bool, log=print) -> dict:
   cfg = parts.config
   timer = RoleTimer()
-  writer = JsonlWriter(os.path.join(run_dir, "metrics.jsonl"))
+  writer = make_writer(run_dir, timer, cfg.metric_sinks, log=log)
   checkpointer = RunCheckpointer(os.path.join(run_dir, "checkpoints"))
   evaluator = Evaluator(parts)
   # Opened for appending before the resume cuts it back (rewind_logs): nothing is written first.
@@ -229,6 +230,7 @@ def _run(parts, run_dir, resume, progress, log, timer, writer, checkpointer, eva
     learner.start()
     while not learner.done.wait(HEARTBEAT_INTERVAL_S):
       fleet.check()
+      timer.add_spans(fleet.take_spans())
   except KeyboardInterrupt:
     learner.stop()
     learner.join(JOIN_TIMEOUT_S)
@@ -246,6 +248,7 @@ def _run(parts, run_dir, resume, progress, log, timer, writer, checkpointer, eva
     raise RolloutServerFailed(f"the learner role failed: {learner.error!r}") from learner.error
   final_state = learner.state
   fleet.stop()
+  timer.add_spans(fleet.take_spans())
   with timer.excluded():
     last_eval.update(evaluator(final_state.params, learner.version))
   writer.write({"policy_version": learner.version, "learner_step": int(final_state.step),

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from typing import Any
 
 from jaxrl_async.runtime import ray_backend
-from jaxrl_async.runtime.fleet import Fleet
+from jaxrl_async.runtime.fleet import Fleet, keep_spans
 from jaxrl_async.runtime.ray_backend import RayBufferClient, RayWeightChannel, require_ray
 
 REISSUE_REASONS = ("actor_restarted", "server_unresponsive")
@@ -80,6 +81,8 @@ class RayFleet:
     self.heartbeat_timeout_s = config.heartbeat_timeout_s
     self.actors: list = [None] * self.num_servers
     self.last_health: list[dict] = [{}] * self.num_servers
+    self.pending_spans: list = []
+    self._lock = threading.RLock()
     self.final_counts: list[dict] = []
     # A server may be silent this long (a restart by Ray included) before it is killed.
     self.silence_limit_s = max(3 * self.heartbeat_timeout_s, SILENCE_MIN_S)
@@ -167,6 +170,7 @@ class RayFleet:
           self.last_health[index]):
         self.final_counts.append(self.last_health[index].get("counts", {}))
       self.last_health[index] = health
+      keep_spans(self.pending_spans, health)
       if health["error"] is not None:
         raise RolloutActorFailed(f"rollout actor {index} failed: {health['error']}")
     self._write_status()
@@ -186,6 +190,7 @@ class RayFleet:
   # Sums over the servers' last heartbeats, as for server processes.
   rollout_counts = Fleet.rollout_counts
   server_timers = Fleet.server_timers
+  take_spans = Fleet.take_spans
 
   def stop(self, timeout: float = 60.0) -> None:
     for index, actor in enumerate(self.actors):
@@ -193,6 +198,7 @@ class RayFleet:
         continue
       try:
         self.last_health[index] = self._call(index, "stop", timeout) or self.last_health[index]
+        keep_spans(self.pending_spans, self.last_health[index])
       except Exception as error:  # reported; the actor is killed either way
         self.log(f"rollout actor {index} did not stop cleanly ({error!r}): killed")
       finally:
@@ -266,8 +272,9 @@ def run_ray(parts, run_dir, *, resume: bool, progress: bool, log=print) -> dict:
   from jaxrl_async.checkpoint import RunCheckpointer
   from jaxrl_async.controller import Evaluator
   from jaxrl_async.ledger import LEDGER_FILE, SampleLedger
-  from jaxrl_async.metrics import JsonlWriter, RoleTimer
+  from jaxrl_async.metrics import RoleTimer
   from jaxrl_async.runtime import processes
+  from jaxrl_async.sinks import make_writer
 
   ray = require_ray()
   if not ray.is_initialized():
@@ -284,7 +291,7 @@ def run_ray(parts, run_dir, *, resume: bool, progress: bool, log=print) -> dict:
   store = ray_backend.start_weight_store(**learner_place)
   channel = RayWeightChannel(store, parts.logical_axes)
   timer = RoleTimer()
-  writer = JsonlWriter(os.path.join(run_dir, "metrics.jsonl"))
+  writer = make_writer(run_dir, timer, cfg.metric_sinks, log=log)
   checkpointer = RunCheckpointer(os.path.join(run_dir, "checkpoints"))
   buffer = DriverBuffer(buffer_actor)
   fleet = RayFleet(cfg, buffer_actor, store,

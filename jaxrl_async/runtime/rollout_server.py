@@ -12,6 +12,7 @@ k, k + K, k + 2K, ..., so prompt ids and group ids never collide between servers
 from __future__ import annotations
 
 import os
+import socket
 import threading
 from typing import Any
 
@@ -56,6 +57,7 @@ class RolloutServer(RolloutControl):
         next_group_id=rollout.get("next_group_id", server_index),
         reissue=rollout.get("inflight", []), group_id_stride=num_servers)
     self._evaluator = None
+    self._spans_sent = 0  # of the timer's closed spans, how many health() has handed out
 
   def start(self, timeout: float = 10.0) -> None:
     del timeout
@@ -85,9 +87,11 @@ class RolloutServer(RolloutControl):
   def health(self, timeout: float = 10.0) -> dict[str, Any]:
     del timeout
     role = self.rollouter
+    self._spans_sent, spans = self.timer.spans_since(self._spans_sent)
     return {"alive": role.alive, "error": None if role.error is None else repr(role.error),
             "version": role.batcher.version, "counts": dict(role.counts),
-            "timer": self.timer.summary(), "pid": os.getpid()}
+            "timer": self.timer.summary(), "pid": os.getpid(),
+            "host": socket.gethostname(), "spans": spans}
 
   def stop(self, timeout: float = 30.0) -> dict[str, Any]:
     self.rollouter.stop()

@@ -20,6 +20,7 @@ from jaxrl_async.config import RunConfig
 from jaxrl_async.learner.sft import WarmStartConfig
 from jaxrl_async.ledger import read_events
 from jaxrl_async.metrics import read_jsonl
+from jaxrl_async.sinks import SPANS_FILE, read_spans
 from jaxrl_async.tasks.reverse import DigitReverseTask
 from launch import train
 
@@ -199,3 +200,13 @@ def test_the_default_task_trains_with_rollout_servers_as_processes(tmp_path):
   assert max(r["algo/version_gap_max"] for r in records) <= config.max_version_gap
   dropped = sum(v for k, v in summary.items() if k.startswith("queue/dropped/"))
   assert summary["queue/put"] == summary["queue/consumed"] + dropped
+  # The metric sinks of the threads backend: TensorBoard events and the stage timeline, whose
+  # rollout and reward spans come from the server's process, on the learner's run clock.
+  assert os.listdir(tmp_path / "tensorboard" / "policy_version")
+  spans = read_spans(tmp_path / SPANS_FILE)
+  roles = {role for role, _, _ in spans}
+  assert {"rollout", "reward", "learner", "sync"} <= roles, roles
+  server = [(start, end) for role, start, end in spans if role == "rollout"]
+  assert all(0.0 <= start <= end <= summary["system/wall_s"] + 1e-6 for start, end in server)
+  busy = sum(end - start for start, end in server)
+  assert busy == pytest.approx(summary["rollout/busy_s"], rel=0.05)

@@ -18,6 +18,7 @@ import gin
 from jaxrl_async import config as config_lib
 from jaxrl_async import controller
 from jaxrl_async.metrics import read_jsonl
+from jaxrl_async.sinks import SPANS_FILE, read_spans
 from launch import train
 
 # The local cluster stays on the loopback interface only when Ray reads this at import.
@@ -280,6 +281,9 @@ def test_the_default_task_trains_with_rollout_servers_as_ray_actors(cluster, tmp
   assert max(r["algo/version_gap_max"] for r in records) <= config.max_version_gap
   dropped = sum(v for k, v in summary.items() if k.startswith("queue/dropped/"))
   assert summary["queue/put"] == summary["queue/consumed"] + dropped
+  # The actors run on this host (a one-machine cluster): their busy spans join the timeline.
+  roles = {role for role, _, _ in read_spans(tmp_path / SPANS_FILE)}
+  assert {"rollout", "reward", "learner", "sync"} <= roles, roles
 
 
 @pytest.mark.slow
