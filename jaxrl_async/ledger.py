@@ -22,6 +22,8 @@ import os
 import threading
 from collections.abc import Iterable
 
+from jaxrl_async.sinks import SPANS_FILE, read_spans, write_spans
+
 LEDGER_FILE = "ledger.jsonl"
 
 
@@ -147,9 +149,19 @@ def rewind_logs(run_dir: str | os.PathLike, run_state: dict | None) -> None:
   from scratch (`run_state` None: no checkpoint yet, e.g. a crash before the first one) starts
   them empty."""
   if run_state is None:
-    run_state = {"metrics_offset": 0, "ledger_offset": 0}
+    run_state = {"metrics_offset": 0, "ledger_offset": 0, "wall_s": 0.0}
   run_dir = os.fspath(run_dir)
   for name, key in ((METRICS_FILE, "metrics_offset"), (LEDGER_FILE, "ledger_offset")):
     path = os.path.join(run_dir, name)
     if key in run_state and (run_state[key] or os.path.exists(path)):
       truncate(path, int(run_state[key]))
+  if "wall_s" in run_state:
+    cut_spans(os.path.join(run_dir, SPANS_FILE), float(run_state["wall_s"]))
+
+
+def cut_spans(path: str, wall_s: float) -> None:
+  """The stage timeline back to the checkpoint: the spans that ended by `wall_s` of the run's
+  clock are kept (the resumed run's clock continues from there)."""
+  if not os.path.exists(path):
+    return
+  write_spans(path, [span for span in read_spans(path) if span[2] <= wall_s])

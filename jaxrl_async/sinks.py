@@ -113,8 +113,8 @@ class SpanFile:
                max_spans: int = MAX_SPANS, clock=time.monotonic):
     self.path, self.timer, self.every_s, self._clock = os.fspath(path), timer, every_s, clock
     self._max_spans = max_spans
-    self._earlier = read_spans(self.path) if os.path.exists(self.path) else []
-    self._last_save = clock()
+    self._earlier: list | None = None  # the file's spans, read at the first save (after a
+    self._last_save = clock()          # resumed run's ledger.rewind_logs has cut it back)
 
   def write(self, record: Mapping) -> None:
     del record
@@ -122,17 +122,24 @@ class SpanFile:
       self.save()
 
   def save(self) -> None:
+    if self._earlier is None:
+      self._earlier = read_spans(self.path) if os.path.exists(self.path) else []
     spans = collections.deque(self._earlier, maxlen=self._max_spans)
     spans.extend(self.timer.spans())
-    temporary = self.path + ".tmp"
-    with open(temporary, "w", encoding="utf-8") as f:
-      for role, start, end in spans:
-        f.write(json.dumps({"role": role, "start": round(start, 6), "end": round(end, 6)}) + "\n")
-    os.replace(temporary, self.path)
+    write_spans(self.path, spans)
     self._last_save = self._clock()
 
   def close(self) -> None:
     self.save()
+
+
+def write_spans(path: str | os.PathLike, spans) -> None:
+  """(role, start, end) spans as `path`'s lines, replacing the file at once."""
+  temporary = os.fspath(path) + ".tmp"
+  with open(temporary, "w", encoding="utf-8") as f:
+    for role, start, end in spans:
+      f.write(json.dumps({"role": role, "start": round(start, 6), "end": round(end, 6)}) + "\n")
+  os.replace(temporary, path)
 
 
 def read_spans(path: str | os.PathLike) -> list[tuple[str, float, float]]:

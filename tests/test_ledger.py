@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 from jaxrl_async import ledger as ledger_lib
+from jaxrl_async.metrics import RoleTimer
+from jaxrl_async.sinks import SPANS_FILE, SpanFile, read_spans, write_spans
 from jaxrl_async.types import Sample
 
 
@@ -79,3 +81,25 @@ def test_a_run_from_scratch_starts_both_logs_empty(tmp_path):
   assert (tmp_path / "metrics.jsonl").read_text() == ""
   assert ledger_lib.read_events(tmp_path / "ledger.jsonl") == []
   ledger_lib.rewind_logs(tmp_path / "nothing-here", None)  # no logs yet: nothing to cut
+
+
+def test_rewind_cuts_the_stage_timeline_back_to_the_checkpoints_clock(tmp_path):
+  spans = tmp_path / SPANS_FILE
+  write_spans(spans, [("rollout", 0.5, 1.0), ("learner", 1.0, 2.0), ("sync", 2.0, 2.5),
+                      ("rollout", 3.0, 4.0)])
+  ledger_lib.rewind_logs(tmp_path, {"metrics_offset": 0, "ledger_offset": 0, "wall_s": 2.5})
+  # the resumed run's clock continues from 2.5 s: spans after it would be made again
+  assert read_spans(spans) == [("rollout", 0.5, 1.0), ("learner", 1.0, 2.0), ("sync", 2.0, 2.5)]
+  ledger_lib.rewind_logs(tmp_path, None)  # a run from scratch: an empty timeline
+  assert read_spans(spans) == []
+
+
+def test_a_span_file_saves_the_cut_file_when_it_was_opened_before_the_cut(tmp_path):
+  """The processes backend opens its writers before a resume cuts the logs back."""
+  spans = tmp_path / SPANS_FILE
+  write_spans(spans, [("learner", 0.0, 1.0), ("learner", 5.0, 6.0)])
+  timer = RoleTimer()
+  span_file = SpanFile(spans, timer)
+  ledger_lib.rewind_logs(tmp_path, {"metrics_offset": 0, "ledger_offset": 0, "wall_s": 2.0})
+  span_file.save()
+  assert read_spans(spans) == [("learner", 0.0, 1.0)]
