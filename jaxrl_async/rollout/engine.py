@@ -181,6 +181,13 @@ class Engine:
     rngs = np.stack([raw_key(rng) for rng in rngs])
     if rngs.shape != (len(slots), 2):
       raise ValueError(f"rngs must be uint32 [{len(slots)}, 2], got {rngs.shape}")
+    # Padded to a power of two by repeating the last slot (writing it again is a no-op), so a
+    # group split over whatever slots are free compiles a few widths, not one per count.
+    width = 1 << (len(slots) - 1).bit_length()
+    if width > len(slots):
+      pad = width - len(slots)
+      slots = np.concatenate([slots, np.repeat(slots[-1:], pad)])
+      rngs = np.concatenate([rngs, np.repeat(rngs[-1:], pad, axis=0)])
     return self._insert_many(prefix, decode_state, slots, rngs)
 
   def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
