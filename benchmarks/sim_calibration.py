@@ -15,6 +15,14 @@ process). The simulator models the roles as sharing one host with contention c (
 computing at once each run at 1 / (1 + c (k - 1)) speed), with c = 2 / speedup - 1 from
 benchmarks/concurrency_ceiling.py's newest result: two XLA processes at once (processes) or
 the two role loops in threads (threads); or --contention.
+
+On the processes backend the roles also run at other speeds than in the sync run the profile
+comes from: the rollout server on its own core with one XLA thread, the learner beside it.
+`--layout measured` (the default there) takes that from the same concurrency_ceiling result's
+`roles_processes` figures, measured on the default run's role loops: rollout decode steps
+scaled by rollout_pinned / rollout in one process, learner costs by learner alone / learner in
+one process, and c from how much the rollout loop slows while the learner runs beside it
+(both at once / rollout pinned alone - 1). `--layout none` keeps the sync run's speeds.
 """
 
 from __future__ import annotations
@@ -49,6 +57,35 @@ def default_contention(backend: str) -> tuple[float, str]:
           f"{os.path.basename(files[-1])}: {key} speedup {speedup:.3f}")
 
 
+def newest_ceiling() -> tuple[dict | None, str]:
+  files = sorted(glob.glob(os.path.join(RESULTS, "concurrency_ceiling-*.json")))
+  if not files:
+    return None, "no concurrency_ceiling result"
+  with open(files[-1], encoding="utf-8") as f:
+    return json.loads(f.readline()), os.path.basename(files[-1])
+
+
+def processes_layout(profile, ceiling: dict):
+  """`profile` (fitted from a sync run: both roles on every core, one after the other) moved
+  to the processes backend's layout by concurrency_ceiling's `roles_processes` and `roles`
+  figures (see the module doc). Returns (profile, the factors used)."""
+  one, layout = ceiling["roles"], ceiling["roles_processes"]
+  rollout_scale = layout["rollout_pinned_ms_per_batch"] / one["rollout_ms_per_batch"]
+  learner_scale = layout["learner_ms_per_batch"] / one["learner_ms_per_batch"]
+  contention = max(0.0, layout["both_ms_per_batch"] / layout["rollout_pinned_ms_per_batch"] - 1)
+  rollout = dataclasses.replace(
+      profile.rollout,
+      decode_curve=tuple((n, seconds * rollout_scale) for n, seconds in profile.rollout.decode_curve),
+      prefill_s_per_token=profile.rollout.prefill_s_per_token * rollout_scale)
+  learner = dataclasses.replace(profile.learner,
+                                per_update_s=profile.learner.per_update_s * learner_scale,
+                                s_per_token=profile.learner.s_per_token * learner_scale)
+  factors = {"rollout_scale": rollout_scale, "learner_scale": learner_scale,
+             "contention": contention}
+  return dataclasses.replace(profile, rollout=rollout, learner=learner,
+                             contention=contention), factors
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--total_samples", type=int, default=6400)
@@ -60,6 +97,10 @@ def main(argv=None) -> int:
   parser.add_argument("--contention", type=float, default=None)
   parser.add_argument("--backend", choices=("threads", "processes"), default="processes",
                       help="where the async modes run their roles (sync: one process)")
+  parser.add_argument("--layout", choices=("measured", "none"), default=None,
+                      help="processes backend: move the sync profile to the servers' layout "
+                           "by concurrency_ceiling's roles_processes figures (default "
+                           "'measured' on processes without --contention, else 'none')")
   parser.add_argument("--gin_bindings", action="append", default=[])
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
@@ -95,10 +136,24 @@ def main(argv=None) -> int:
                                    if args.contention is not None
                                    else default_contention(args.backend))
   profile = fit.profile_from_run(os.path.join(args.work_dir, "sync"), seed=args.seed)
+  layout = args.layout or ("measured" if args.backend == "processes" and args.contention is None
+                           else "none")
+  async_profile = dataclasses.replace(profile, contention=contention)
+  layout_factors = None
+  if layout == "measured":
+    ceiling, source = newest_ceiling()
+    if ceiling is None or "roles_processes" not in ceiling:
+      raise SystemExit(f"--layout measured needs a concurrency_ceiling result with "
+                       f"roles_processes ({source}): run benchmarks/concurrency_ceiling.py")
+    if args.contention is not None:
+      raise SystemExit("--layout measured sets the contention itself; use --layout none with "
+                       "--contention")
+    async_profile, layout_factors = processes_layout(profile, ceiling)
+    contention, contention_source = layout_factors["contention"], f"{source}: roles_processes"
   configs = mode_configs(modes, bindings)
   table = {}
   for mode in modes:
-    used = profile if mode == "sync" else dataclasses.replace(profile, contention=contention)
+    used = profile if mode == "sync" else async_profile
     summary = simulate(used, configs[mode], seed=args.seed).summary
     predicted = summary["system/samples_per_s"]
     table[mode] = {"measured_samples_per_s": measured[mode],
@@ -118,6 +173,7 @@ def main(argv=None) -> int:
           "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
           "runs_load_average": runs_load,
           "contention": contention, "contention_source": contention_source,
+          "layout": layout, "layout_factors": layout_factors,
           "profile": profile.to_dict(), "modes": table}
   if args.out:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

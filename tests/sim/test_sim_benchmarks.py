@@ -42,3 +42,18 @@ def test_sim_calibration_on_run_directories(tmp_path, capsys):
   table = _last_line(capsys)["modes"]
   assert abs(table["sync"]["error"]) < 0.05  # the profile was fitted on this very run
   assert table["async_stale"]["measured_samples_per_s"] > 0
+
+
+def test_the_processes_layout_scales_each_role_by_the_measured_loops():
+  profile = profile_from_dict(PROFILE)
+  ceiling = {"roles": {"learner_ms_per_batch": 8.0, "rollout_ms_per_batch": 10.0},
+             "roles_processes": {"learner_ms_per_batch": 10.0, "rollout_pinned_ms_per_batch": 13.0,
+                                 "both_ms_per_batch": 14.3}}
+  moved, factors = sim_calibration.processes_layout(profile, ceiling)
+  assert factors["rollout_scale"] == 1.3 and factors["learner_scale"] == 1.25
+  assert abs(factors["contention"] - 0.1) < 1e-12 and moved.contention == factors["contention"]
+  for (n, seconds), (n0, seconds0) in zip(moved.rollout.decode_curve,
+                                          profile.rollout.decode_curve, strict=True):
+    assert n == n0 and abs(seconds - 1.3 * seconds0) < 1e-15
+  assert abs(moved.learner.s_per_token - 1.25 * profile.learner.s_per_token) < 1e-15
+  assert moved.reward_latency == profile.reward_latency and moved.sync == profile.sync
