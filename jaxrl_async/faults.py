@@ -33,6 +33,7 @@ POINTS = (
     "checkpoint.before_write",  # the learner is about to write a periodic checkpoint
     "checkpoint.after_write",  # the checkpoint is written and finalized
     "buffer.get_groups",  # the learner asks the buffer for an update's groups
+    "learner.trained",  # a version's updates done, the next update's groups not taken yet
     "learner.take_publish",  # next groups taken from the buffer, new version not published
     "reward.call",  # a reward function call, in its call thread
     "sync.publish",  # the learner publishes new weights to the rollout side

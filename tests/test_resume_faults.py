@@ -57,14 +57,17 @@ def _check_books(run_dir, num_versions):
 def test_groups_taken_before_a_checkpoint_survive_a_crash_after_it(tmp_path):
   config = _async_config()
   run_dir = str(tmp_path / "run")
-  # Crash after the 2nd periodic checkpoint (version 6), before anything else is written.
-  faults.configure("checkpoint.after_write=raise@2")
+  # Crash after the 2nd periodic checkpoint (version 6), before anything else is written. The
+  # learner pauses for a second after training version 6, before it takes the next update's
+  # groups: with s = 1 the rollout then has them ready (without the pause this relied on the
+  # rollout being ahead by chance).
+  faults.configure("learner.trained=delay:1.0@6,checkpoint.after_write=raise@2")
   with pytest.raises(RoleFailed, match="injected at fault point checkpoint.after_write"):
     controller.run(config, run_dir, progress=False, log=quiet)
   faults.configure(None)
   taken = _saved_run_state(run_dir, 6)["taken"]
-  # The learner takes the next update's groups before it publishes a version; with s = 1 the
-  # rollout is ahead, so they are there (this is the case that used to be lost).
+  # The learner takes the next update's groups before it publishes a version; they are there
+  # (this is the case that used to be lost).
   assert len(taken) == config.groups_per_update
   taken_ids = {group[0]["group_id"] for group in taken}
   controller.run(config, run_dir, resume=True, progress=False, log=quiet)

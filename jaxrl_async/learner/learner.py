@@ -133,6 +133,7 @@ class LearnerRole(RoleThread):
         self.taken = None  # trained: the state now holds them
         self.window_groups.extend(groups)
       self.version += 1
+      faults.point("learner.trained")
       consumed, self.window_groups = self.window_groups, []
       # Groups already queued are taken at the new version before it is announced, so the
       # rollouter's new admission window does not count them as carried over (they are
