@@ -27,7 +27,8 @@ BINDINGS = run_lives.TINY_BINDINGS + (
 # (mode, point, hit): hits land after a few versions.
 CASES = [("gin/modes/async_partial.gin", point, hit) for point, hit in (
     ("checkpoint.before_write", 2), ("checkpoint.after_write", 2), ("buffer.get_groups", 5),
-    ("learner.take_publish", 5), ("sync.publish", 5), ("rollout.decode_step", 60))]
+    ("learner.trained", 5), ("learner.take_publish", 5), ("sync.publish", 5),
+    ("rollout.decode_step", 60))]
 CASES += [("gin/modes/sync.gin", "sync.publish", 3), ("gin/modes/sync.gin", "buffer.get_groups", 3)]
 
 
