@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import collections
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -48,9 +49,8 @@ class RoleTimer:
     self._spans: collections.deque = collections.deque(maxlen=max_spans)
     self._closed = 0  # spans closed so far (the deque keeps the latest)
     self._excluded = 0.0
-    self._exclusions: list[tuple[float, float]] = []  # (begin, end) on the clock, in order
-    self._exclusion_begins: list[float] = []
-    self._excluded_through: list[float] = []  # excluded seconds up to the end of each one
+    # (begin, end, seconds excluded before begin) of each excluded interval, in clock order
+    self._exclusions: list[tuple[float, float, float]] = []
     self.start = clock()
 
   @contextlib.contextmanager
@@ -92,8 +92,8 @@ class RoleTimer:
     with self._lock:
       if self._exclusions:
         raise RuntimeError("spans_since needs a timer without excluded time")
-      new = min(self._closed - closed, len(self._spans))
-      spans = list(self._spans)[len(self._spans) - new:] if new > 0 else []
+      new = max(0, min(self._closed - closed, len(self._spans)))
+      spans = list(itertools.islice(reversed(self._spans), new))[::-1]
       return self._closed, [(role, self.start + a, self.start + b) for role, a, b in spans]
 
   def add_spans(self, spans) -> None:
@@ -110,11 +110,11 @@ class RoleTimer:
   def _on_wall(self, t: float) -> float:
     """A `clock()` value as seconds of `wall_s` (a time inside an excluded interval maps to
     the interval's start). Lock held."""
-    i = bisect.bisect_left(self._exclusion_begins, t) - 1  # the last one that began before t
+    i = bisect.bisect_left(self._exclusions, t, key=lambda e: e[0]) - 1  # last begun before t
     if i < 0:
       return t - self.start
-    begin, end = self._exclusions[i]
-    return t - self.start - (self._excluded_through[i] - (end - begin) + min(end, t) - begin)
+    begin, end, before = self._exclusions[i]
+    return t - self.start - before - (min(end, t) - begin)
 
   @contextlib.contextmanager
   def excluded(self):
@@ -125,14 +125,10 @@ class RoleTimer:
     finally:
       with self._lock:
         end = self._clock()
-        self._excluded += end - begin
         while self._exclusions and self._exclusions[-1][0] >= begin:  # nested in this one
           self._exclusions.pop()
-          self._exclusion_begins.pop()
-          self._excluded_through.pop()
-        self._exclusions.append((begin, end))
-        self._exclusion_begins.append(begin)
-        self._excluded_through.append(self._excluded)
+        self._exclusions.append((begin, end, self._excluded))
+        self._excluded += end - begin
 
   def wall_s(self) -> float:
     return self._clock() - self.start - self._excluded
