@@ -281,10 +281,13 @@ def reward_metrics(rewards: RewardPool) -> dict[str, int]:
   return {f"reward/{name}": int(count) for name, count in rewards.counts.items()}
 
 
-def ledger_audit(ledger: SampleLedger, next_group_id: int, group_size: int) -> dict:
+def ledger_audit(ledger: SampleLedger, next_group_id: int | None, group_size: int, *,
+                 groups=None) -> dict:
   """The sample ledger's audit at the end of a run, as `ledger/...` figures; a lost or
-  duplicated sample is reported on stderr (the summary says how many)."""
-  result = audit(read_events(ledger.path), next_group_id=next_group_id, group_size=group_size)
+  duplicated sample is reported on stderr (the summary says how many). The produced groups:
+  ids below `next_group_id`, or `groups` (`ledger.audit`)."""
+  result = audit(read_events(ledger.path), next_group_id=next_group_id, group_size=group_size,
+                 groups=groups)
   if result["missing"] or result["duplicates"] or result["unknown"]:
     print(f"warning: sample ledger {ledger.path}: {len(result['missing'])} samples lost, "
           f"{len(result['duplicates'])} counted twice, {len(result['unknown'])} unknown "

@@ -90,13 +90,19 @@ def read_events(path: str | os.PathLike) -> list[dict]:
     return [json.loads(line) for line in f if line.strip()]
 
 
-def audit(events: Iterable[dict], *, next_group_id: int, group_size: int) -> dict:
-  """Where each produced sample went. Returns counts and the problems found:
+def audit(events: Iterable[dict], *, group_size: int, next_group_id: int | None = None,
+          groups: Iterable[int] | None = None) -> dict:
+  """Where each produced sample went. The produced groups are ids 0 .. next_group_id - 1 (one
+  prompt pipeline), or `groups` (several servers, each numbering its own). Returns counts and
+  the problems found:
 
   - `missing`: produced samples neither consumed nor dropped (lost);
   - `duplicates`: samples consumed or dropped more than once, or both;
-  - `unknown`: samples in the log that were never produced (a group id >= next_group_id).
+  - `unknown`: samples in the log that were never produced.
   """
+  if (next_group_id is None) == (groups is None):
+    raise ValueError("audit needs exactly one of next_group_id and groups")
+  produced_groups = set(range(next_group_id) if groups is None else groups)
   seen: collections.Counter = collections.Counter()
   consumed_samples = 0
   dropped: collections.Counter = collections.Counter()
@@ -112,11 +118,11 @@ def audit(events: Iterable[dict], *, next_group_id: int, group_size: int) -> dic
       dropped[event["reason"]] += len(event["samples"])
     else:
       raise ValueError(f"unknown ledger event {event['event']!r}")
-  produced = next_group_id * group_size
-  missing = [(g, i) for g in range(next_group_id) for i in range(group_size)
+  produced = len(produced_groups) * group_size
+  missing = [(g, i) for g in sorted(produced_groups) for i in range(group_size)
              if (g, i) not in seen]
   duplicates = sorted(uid for uid, count in seen.items() if count > 1)
-  unknown = sorted(uid for uid in seen if not (0 <= uid[0] < next_group_id
+  unknown = sorted(uid for uid in seen if not (uid[0] in produced_groups
                                                and 0 <= uid[1] < group_size))
   return {"produced": produced, "consumed": consumed_samples, "dropped": dict(dropped),
           "missing": missing, "duplicates": duplicates, "unknown": unknown}

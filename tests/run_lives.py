@@ -13,6 +13,7 @@ import time
 
 from jaxrl_async import ledger as ledger_lib
 from jaxrl_async.metrics import read_jsonl
+from jaxrl_async.runtime import fleet
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -114,9 +115,12 @@ def books(run_dir) -> dict:
   with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
     summary = json.load(f)
   events = ledger_lib.read_events(os.path.join(run_dir, ledger_lib.LEDGER_FILE))
-  group_size = int(summary["ledger/produced"]) // max(int(summary["rollout/next_group_id"]), 1)
-  audit = ledger_lib.audit(events, next_group_id=int(summary["rollout/next_group_id"]),
-                           group_size=group_size)
+  if "rollout/next_group_ids" in summary:  # rollout servers, each numbering its own groups
+    groups = fleet.produced_groups(summary["rollout/next_group_ids"])
+  else:
+    groups = range(int(summary["rollout/next_group_id"]))
+  group_size = int(summary["ledger/produced"]) // max(len(groups), 1)
+  audit = ledger_lib.audit(events, groups=groups, group_size=group_size)
   records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
   version_records = [r["policy_version"] for r in records if "result/reward_mean" in r]
   eval_records = [r["policy_version"] for r in records

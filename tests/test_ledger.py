@@ -8,6 +8,7 @@ import pytest
 
 from jaxrl_async import ledger as ledger_lib
 from jaxrl_async.metrics import RoleTimer
+from jaxrl_async.runtime import fleet
 from jaxrl_async.sinks import SPANS_FILE, SpanFile, read_spans, write_spans
 from jaxrl_async.types import Sample
 
@@ -47,6 +48,22 @@ def test_the_audit_finds_lost_twice_and_unknown_samples(tmp_path):
   assert result["missing"] == [(3, 0), (3, 1)]
   assert result["duplicates"] == [(1, 0), (1, 1)]
   assert result["unknown"] == [(9, 0)]
+
+
+def test_the_audit_of_strided_servers_counts_only_their_groups(tmp_path):
+  # Two rollout servers: server 0 drew groups 0, 2, 4; server 1 drew 1, 3 (next ids 6 and 5).
+  groups = fleet.produced_groups([6, 5])
+  assert groups == [0, 2, 4, 1, 3]
+  ledger = _write(tmp_path)  # consumed 0 and 2, dropped 1
+  ledger.consumed(2, [_group(4, 14)])
+  ledger.dropped("shutdown", [(3, 0), (5, 0)])  # 5: no server drew it
+  ledger.close()
+  result = ledger_lib.audit(ledger_lib.read_events(ledger.path), groups=groups, group_size=2)
+  assert result["produced"] == 10 and result["consumed"] == 6
+  assert result["missing"] == [(3, 1)]
+  assert result["unknown"] == [(5, 0)]
+  with pytest.raises(ValueError, match="exactly one of"):
+    ledger_lib.audit([], groups=groups, next_group_id=4, group_size=2)
 
 
 def test_rewind_cuts_both_logs_back_to_the_checkpoint(tmp_path):

@@ -44,6 +44,12 @@ def keep_spans(pending: list, health: dict) -> None:
     del pending[:-MAX_PENDING_SPANS]
 
 
+def produced_groups(next_group_ids: list[int]) -> list[int]:
+  """The group ids K servers drew, from each one's next group id (server k: k, k + K, ...)."""
+  stride = len(next_group_ids)
+  return [g for k, next_id in enumerate(next_group_ids) for g in range(k, next_id, stride)]
+
+
 class Fleet:
 
   def __init__(self, config, service: BufferService, channel_spec: dict, *,
@@ -215,6 +221,20 @@ class Fleet:
         out[f"{role}/busy_s"] = sum(t[f"{role}/busy_s"] for t in timers)
         out[f"{role}/idle_ratio"] = sum(t[f"{role}/idle_ratio"] for t in timers) / len(timers)
     return out
+
+  def drop_log(self) -> list:
+    """After `stop`: every server's drops, as (reason, sample uids) for the sample ledger. A
+    replaced server's work was re-issued to its successor, so only the last servers' count."""
+    return [tuple(entry) for health in self.last_health for entry in health.get("drops", [])]
+
+  def next_group_ids(self) -> list[int]:
+    """After `stop`: each server's next group id, from its last health answer."""
+    return [h.get("next_group_id", index) for index, h in enumerate(self.last_health)]
+
+  def produced_groups(self) -> list[int]:
+    """After `stop`: the group ids the servers drew, over every life of the run (server k of
+    K numbers its groups k, k + K, ... up to its next group id)."""
+    return produced_groups(self.next_group_ids())
 
   def take_spans(self) -> list:
     """The servers' busy spans received since the last call ((role, start, end), this host's

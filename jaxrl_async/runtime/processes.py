@@ -10,7 +10,6 @@ server back its own. The main thread watches the learner and sends the heartbeat
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import shutil
@@ -24,6 +23,7 @@ from jaxrl_async.controller import (
   buffer_for,
   copy_params,
   learner_update,
+  ledger_audit,
   progress_bar,
   version_record,
 )
@@ -38,6 +38,7 @@ from jaxrl_async.runtime.shm_channel import SharedMemoryWeightChannel
 from jaxrl_async.sinks import make_writer
 from jaxrl_async.sync import OrbaxStoreChannel
 from jaxrl_async.types import Sample
+from jaxrl_async.watchdog import Watchdog
 
 HEARTBEAT_INTERVAL_S = 1.0
 JOIN_TIMEOUT_S = 60.0
@@ -180,6 +181,7 @@ def _run(parts, run_dir, resume, progress, log, timer, writer, checkpointer, eva
   consumed_groups: list[list[int]] = []  # [group id, prompt id] of every consumed group
 
   def on_version(at_version, learner_state, groups, accumulated, staleness):
+    watchdog.progress()
     consumed_groups.extend([g[0].group_id, g[0].prompt_id] for g in groups)
     ledger.consumed(at_version, groups)
     totals["consumed"] += sum(len(g) for g in groups)
@@ -204,11 +206,9 @@ def _run(parts, run_dir, resume, progress, log, timer, writer, checkpointer, eva
     if at_version % cfg.eval_every_versions == 0:
       run_eval(at_version, learner_state)
     if at_version % cfg.checkpoint_every_versions == 0 or at_version == cfg.num_versions:
-      save_checkpoint(at_version, learner_state, getattr(learner, "taken", None))
+      save_checkpoint(at_version, learner_state, learner.taken)
+    watchdog.progress()  # an evaluation or a checkpoint that finished is progress too
 
-  learner_kwargs = {}
-  if "taken" in inspect.signature(LearnerRole).parameters:
-    learner_kwargs["taken"] = taken
   learner = LearnerRole(
       state=state, buffer=buffer, channel=channel, timer=timer,
       update_fn=lambda st, groups, window, v, local: learner_update(parts, st, groups, window,
@@ -218,32 +218,58 @@ def _run(parts, run_dir, resume, progress, log, timer, writer, checkpointer, eva
       num_versions=cfg.num_versions, start_version=version,
       on_policy=cfg.staleness_threshold == 0, max_version_gap=cfg.max_version_gap,
       needs_window_params=cfg.needs_window_params, on_version=on_version,
-      debug_checks=cfg.debug_checks, **learner_kwargs)
+      debug_checks=cfg.debug_checks, taken=taken)
+
+  def rescue() -> None:  # the watchdog's: stop the learner, then save if it stopped
+    learner.stop()
+    learner.join(JOIN_TIMEOUT_S)
+    if learner.alive:
+      log(f"watchdog: the learner did not stop; resume from the checkpoint at policy_version "
+          f"{checkpointer.latest_step()}")
+      return
+    if checkpointer.latest_step() != learner.version:
+      if learner.window_groups:  # updates of a cut-short window stay in the state
+        totals["consumed"] += sum(len(g) for g in learner.window_groups)
+        ledger.consumed(learner.version, learner.window_groups)
+      save_checkpoint(learner.version, learner.state, learner.taken)
+    log(f"watchdog: checkpoint at policy_version {learner.version} in {checkpointer.directory}")
+
+  def describe() -> str:
+    servers = [{"pid": h.get("pid"), "version": h.get("version"), "counts": h.get("counts")}
+               for h in fleet.last_health]
+    hung = "".join(f"; rollout server {index} blocked at fault point {', '.join(h['hanging'])}"
+                   for index, h in enumerate(fleet.last_health) if h.get("hanging"))
+    return (f"learner version {learner.version}, buffer {buffer.counts}, rollout servers "
+            f"{servers}, ledger {ledger.offset()} bytes{hung}")
+
+  watchdog = Watchdog(cfg.watchdog_timeout_s, startup_s=cfg.watchdog_startup_s,
+                      describe=describe, rescue=rescue)
 
   with timer.excluded():
     last_eval.update(evaluator(state.params, version))
   writer.write({"policy_version": version, "learner_step": int(state.step),
                 "samples": totals["consumed"], "time_s": timer.wall_s(), **last_eval})
-  with timer.excluded():  # starting processes is not training time
-    fleet.start(restores)
-  try:
-    learner.start()
-    while not learner.done.wait(HEARTBEAT_INTERVAL_S):
-      fleet.check()
-      timer.add_spans(fleet.take_spans())
-  except KeyboardInterrupt:
-    learner.stop()
-    learner.join(JOIN_TIMEOUT_S)
-    if checkpointer.latest_step() != learner.version:
-      save_checkpoint(learner.version, learner.state, getattr(learner, "taken", None))
-    log(f"interrupted: checkpoint at policy_version {learner.version}")
-    raise
-  finally:
-    learner.stop()
-    if learner.alive:
-      buffer.close()  # wakes the learner if it waits for groups that will not come
-    learner.join(JOIN_TIMEOUT_S)
-    bar.close()
+  with watchdog:
+    with timer.excluded():  # starting processes is not training time
+      fleet.start(restores)
+    try:
+      learner.start()
+      while not learner.done.wait(HEARTBEAT_INTERVAL_S):
+        fleet.check()
+        timer.add_spans(fleet.take_spans())
+    except KeyboardInterrupt:
+      learner.stop()
+      learner.join(JOIN_TIMEOUT_S)
+      if checkpointer.latest_step() != learner.version:
+        save_checkpoint(learner.version, learner.state, learner.taken)
+      log(f"interrupted: checkpoint at policy_version {learner.version}")
+      raise
+    finally:
+      learner.stop()
+      if learner.alive:
+        buffer.close()  # wakes the learner if it waits for groups that will not come
+      learner.join(JOIN_TIMEOUT_S)
+      bar.close()
   if learner.error is not None:
     raise RolloutServerFailed(f"the learner role failed: {learner.error!r}") from learner.error
   final_state = learner.state
@@ -254,11 +280,15 @@ def _run(parts, run_dir, resume, progress, log, timer, writer, checkpointer, eva
   writer.write({"policy_version": learner.version, "learner_step": int(final_state.step),
                 "samples": totals["consumed"], "time_s": timer.wall_s(), **last_eval})
   queued = buffer.discard_queued("shutdown")
-  ledger.dropped_log(buffer.take_drop_log())
+  ledger.dropped_log(buffer.take_drop_log() + fleet.drop_log())
   buffer.check_invariants()
   write_ledger(os.path.join(run_dir, "prompt_ledger.json"), service, consumed_groups)
+  produced = fleet.produced_groups()
+  audit = ledger_audit(ledger, None, cfg.group_size, groups=produced)
   parts.state = final_state
-  return {**timer.summary(), **last_eval, **buffer.metrics(), **channel.metrics(),
+  return {**timer.summary(), **last_eval, **buffer.metrics(), **channel.metrics(), **audit,
+          "rollout/produced_groups": len(produced),
+          "rollout/next_group_ids": fleet.next_group_ids(),
           **fleet.rollout_counts(), **fleet.server_timers(), **fleet.counts,
           "mode": cfg.mode, "backend": "processes", "num_rollout_servers": fleet.num_servers,
           "rollout_server_restarts": fleet.restarts, "policy_version": learner.version,

@@ -153,7 +153,7 @@ class BufferActorImpl:
     from jaxrl_async.runtime.buffer_service import BufferService
 
     self.group_size = int(buffer_kwargs["group_size"])
-    self.service = BufferService(VersionedBuffer(**buffer_kwargs))
+    self.service = BufferService(VersionedBuffer(**buffer_kwargs, record_drops=True))
     self._claims = threading.Lock()
     self._client_ids: dict[int, str] = {}  # rollout server index -> its live client id
     self._generation: dict[int, int] = {}
@@ -235,6 +235,10 @@ class BufferActorImpl:
 
   def discard_queued(self, reason: str) -> int:
     return self.service.buffer.discard_queued(reason)
+
+  def take_drop_log(self) -> list:
+    """The buffer's per-sample drops since the last call, for the driver's sample ledger."""
+    return self.service.buffer.take_drop_log()
 
   def call(self, client_id: str, method: str, args: tuple, kwargs: dict):
     """One client call, as the service runs it for a connection (unknown clients are

@@ -191,6 +191,9 @@ class RayFleet:
   rollout_counts = Fleet.rollout_counts
   server_timers = Fleet.server_timers
   take_spans = Fleet.take_spans
+  drop_log = Fleet.drop_log
+  next_group_ids = Fleet.next_group_ids
+  produced_groups = Fleet.produced_groups
 
   def stop(self, timeout: float = 60.0) -> None:
     for index, actor in enumerate(self.actors):
@@ -230,9 +233,8 @@ class DriverBuffer:
     self.client.close()
 
   def take_drop_log(self) -> list:
-    """No per-sample drop log crosses from the buffer actor yet: the ledger of a Ray run holds
-    its consumed groups, and its drops are counted in the metrics (queue/dropped/<reason>)."""
-    return []
+    """The buffer actor's per-sample drops since the last call, for the sample ledger."""
+    return self.ray.get(self.actor.take_drop_log.remote(), timeout=60.0)
 
   def discard_queued(self, reason: str = "shutdown") -> int:
     return self.ray.get(self.actor.discard_queued.remote(reason), timeout=60.0)

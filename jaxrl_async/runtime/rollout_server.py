@@ -16,6 +16,7 @@ import socket
 import threading
 from typing import Any
 
+from jaxrl_async import faults
 from jaxrl_async.runtime import child, wire
 from jaxrl_async.runtime.interfaces import RolloutControl
 
@@ -58,6 +59,7 @@ class RolloutServer(RolloutControl):
         reissue=rollout.get("inflight", []), group_id_stride=num_servers)
     self._evaluator = None
     self._spans_sent = 0  # of the timer's closed spans, how many health() has handed out
+    self._drops: list = []  # every drop of this server, as (reason, sample uids)
 
   def start(self, timeout: float = 10.0) -> None:
     del timeout
@@ -88,10 +90,13 @@ class RolloutServer(RolloutControl):
     del timeout
     role = self.rollouter
     self._spans_sent, spans = self.timer.spans_since(self._spans_sent)
+    self._drops.extend(role.take_drop_log())
     return {"alive": role.alive, "error": None if role.error is None else repr(role.error),
             "version": role.batcher.version, "counts": dict(role.counts),
+            "next_group_id": role.next_group_id, "drops": list(self._drops),
             "timer": self.timer.summary(), "pid": os.getpid(),
-            "host": socket.gethostname(), "spans": spans}
+            "host": socket.gethostname(), "spans": spans,
+            "hanging": sorted(faults.hanging)}  # fault points a thread here is blocked at
 
   def stop(self, timeout: float = 30.0) -> dict[str, Any]:
     self.rollouter.stop()

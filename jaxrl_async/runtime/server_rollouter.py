@@ -32,6 +32,7 @@ class ServerRollouter(Rollouter):
     self.group_id_stride = group_id_stride
     self._peeked: list[dict[str, Any]] = []  # drawn, not admitted yet (no admission held)
     self._spent: tuple[int, float] | None = None  # (version, when) the window ran out
+    self.counts["unstarted_shutdown"] = 0  # drawn prompts never admitted, at the stop
 
   def _holds_admission(self, entry: dict) -> bool:
     return bool(entry.get("admitted")) or entry["missing"] != list(range(self.group_size))
@@ -113,19 +114,19 @@ class ServerRollouter(Rollouter):
     with self._lock:
       self._rewarding += len(samples)
     self.rewards.submit_many(samples).add_done_callback(
-        lambda future: self._rewarded(future, len(samples)))
+        lambda future: self._rewarded(future, samples))
 
-  def _rewarded(self, future, count: int) -> None:
+  def _rewarded(self, future, samples) -> None:
     try:
       self._put_batch(future.result())
     except BaseException as error:  # the reward pool failed (shut down under us)
       if self._stop.is_set():
-        self._shutdown(count)
+        self._count_shutdown(samples)
       else:
         self._fail(error)
     finally:
       with self._rewarding_cv:
-        self._rewarding -= count
+        self._rewarding -= len(samples)
         self._rewarding_cv.notify_all()
 
   def _put_batch(self, samples) -> None:
@@ -134,7 +135,7 @@ class ServerRollouter(Rollouter):
       self.buffer.put_many(samples, timeout=self.put_timeout_s)
     except BufferClosed as error:
       put = getattr(error, "num_put", 0)
-      self._shutdown(len(samples) - put)
+      self._count_shutdown(samples[put:])
     except BaseException as error:  # a full buffer past its timeout, a revoked server
       put = getattr(error, "num_put", 0)
       self._fail(error)
@@ -146,6 +147,14 @@ class ServerRollouter(Rollouter):
           if not entry["missing"]:
             del self._inflight[sample.group_id]
 
-  def _shutdown(self, count: int) -> None:
+  def _shutdown_accounting(self) -> None:
+    """As the Rollouter's, and the prompts drawn for groups the buffer had not admitted yet:
+    their group ids are taken (the prompt iterator is past them), so they end as 'shutdown'
+    drops too, counted apart (`unstarted_shutdown`) from the started samples the stop aborted.
+    A checkpoint after the stop re-issues them instead (`snapshot`)."""
+    super()._shutdown_accounting()
+    uids = [(entry["group_id"], index) for entry in self._peeked for index in entry["missing"]]
     with self._lock:
-      self.counts["shutdown"] += count
+      self.counts["unstarted_shutdown"] += len(uids)
+      if uids:
+        self._drop_log.append(("shutdown", uids))

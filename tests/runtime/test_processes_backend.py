@@ -20,6 +20,7 @@ from jaxrl_async.config import RunConfig
 from jaxrl_async.learner.sft import WarmStartConfig
 from jaxrl_async.ledger import read_events
 from jaxrl_async.metrics import read_jsonl
+from jaxrl_async.runtime import fleet
 from jaxrl_async.sinks import SPANS_FILE, read_spans
 from jaxrl_async.tasks.reverse import DigitReverseTask
 from launch import train
@@ -115,6 +116,16 @@ def check_ledger(summary, ledger, config):
   # rest aborted as 'shutdown' by the stopping servers.
   assert len(not_consumed) * GROUP_SIZE == (summary.get("queue/dropped/shutdown", 0)
                                             + summary["rollout/shutdown"])
+  # The sample ledger says the same, sample by sample: every sample of every group the servers
+  # drew (started or not) consumed once or dropped once under its reason.
+  assert summary["ledger/missing"] == 0 and summary["ledger/duplicates"] == 0
+  assert summary["ledger/unknown"] == 0
+  assert summary["ledger/consumed"] == summary["consumed_samples"]
+  assert summary["ledger/produced"] == GROUP_SIZE * len(
+      fleet.produced_groups(summary["rollout/next_group_ids"]))
+  assert summary.get("ledger/dropped/shutdown", 0) == (
+      summary.get("queue/dropped/shutdown", 0) + summary["rollout/shutdown"]
+      + summary["rollout/unstarted_shutdown"])
 
 
 @pytest.mark.slow

@@ -78,6 +78,9 @@ def kill_learner_then_resume(run_dir, bindings, env=None) -> None:
   versions = [r["policy_version"] for r in read_jsonl(run_dir / "metrics.jsonl")
               if "algo/version_gap_max" in r]
   assert versions == list(range(1, NUM_VERSIONS + 1))
+  # The whole run's books, both lives: every sample of every group a server drew is consumed
+  # once or dropped once under its reason (the resumed life's audit, and the ledger read here).
+  run_lives.check_books(run_lives.books(run_dir), NUM_VERSIONS)
 
 
 @pytest.mark.slow

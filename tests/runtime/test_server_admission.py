@@ -2,14 +2,16 @@
 a new version (a new admission window) or after its poll interval (a drop may have refunded a
 slot). Each ask is a round trip to the learner's process."""
 
+import contextlib
 import time
 
 import jax
 import numpy as np
 
+from jaxrl_async import ledger
 from jaxrl_async.config import RunConfig
 from jaxrl_async.model import init_model, split_model
-from jaxrl_async.runtime import LocalBufferClient, assembly
+from jaxrl_async.runtime import LocalBufferClient, assembly, fleet
 from jaxrl_async.runtime.processes import make_buffer
 from jaxrl_async.runtime.rollout_server import RolloutServer
 from jaxrl_async.runtime.shm_channel import SharedMemoryWeightChannel
@@ -30,19 +32,34 @@ class CountingClient(LocalBufferClient):
     return granted
 
 
-def test_a_refused_server_waits_for_a_new_window_or_its_poll_interval():
-  config = RunConfig(task=DigitReverseTask(0, max_len=8), group_size=4, mini_batch_size=2,
-                     max_concurrent_decodes=8, eval_size=8, mode="async_stale",
-                     staleness_threshold=1.0, backend="processes")
-  _, model_config, _, _, abstract = assembly.model_parts(config)
+CONFIG = RunConfig(task=DigitReverseTask(0, max_len=8), group_size=4, mini_batch_size=2,
+                   max_concurrent_decodes=8, eval_size=8, mode="async_stale",
+                   staleness_threshold=1.0, backend="processes")
+
+
+@contextlib.contextmanager
+def server_on_a_real_buffer():
+  """(server, buffer, client): a rollout server in this process on the run's buffer, with
+  version 0 published; nobody consumes."""
+  _, model_config, _, _, abstract = assembly.model_parts(CONFIG)
   _, params = split_model(init_model(model_config, seed=0))
   channel = SharedMemoryWeightChannel.create(abstract)
   channel.publish(0, jax.tree.map(np.asarray, params))
-  buffer = make_buffer(config)
+  buffer = make_buffer(CONFIG)
   client = CountingClient(buffer)
   reader = SharedMemoryWeightChannel.attach(channel.name, abstract)
-  server = RolloutServer(config, server_index=0, num_servers=1, buffer=client, channel=reader)
+  server = RolloutServer(CONFIG, server_index=0, num_servers=1, buffer=client, channel=reader)
   try:
+    yield server, buffer, client
+  finally:
+    server.stop(60.0)
+    reader.close()
+    buffer.close()
+    channel.close()
+
+
+def test_a_refused_server_waits_for_a_new_window_or_its_poll_interval():
+  with server_on_a_real_buffer() as (server, buffer, client):
     server.start(30.0)
     # Nobody consumes: the window (floor(2 * 2) = 4 groups) is spent after the first asks,
     # while the admitted groups still decode step by step.
@@ -61,8 +78,24 @@ def test_a_refused_server_waits_for_a_new_window_or_its_poll_interval():
             f"(poll interval {1e3 * poll_s:.0f} ms)")
     assert refusals >= 4
     assert buffer.counts["put"] > 0
-  finally:
-    server.stop(60.0)
-    reader.close()
-    buffer.close()
-    channel.close()
+
+
+def test_a_stopped_server_accounts_for_every_sample_it_drew():
+  """Stopped while the buffer refuses it (prompts drawn and not admitted, groups in the slots):
+  every sample of every group it drew is in the buffer or in the drop log of its last health
+  answer, exactly once."""
+  with server_on_a_real_buffer() as (server, buffer, client):
+    server.start(30.0)
+    deadline = time.monotonic() + 120.0
+    while not any(c[3] < c[2] for c in client.calls) or buffer.counts["put"] == 0:
+      assert time.monotonic() < deadline, f"the window was never spent: {client.calls}"
+      time.sleep(0.05)
+    health = server.stop(60.0)
+    buffer.discard_queued("shutdown")
+    events = [{"event": "dropped", "reason": reason, "samples": uids}
+              for reason, uids in buffer.take_drop_log() + [tuple(d) for d in health["drops"]]]
+  produced = fleet.produced_groups([health["next_group_id"]])
+  result = ledger.audit(events, groups=produced, group_size=CONFIG.group_size)
+  assert result["missing"] == [] and result["duplicates"] == [] and result["unknown"] == []
+  assert health["counts"]["unstarted_shutdown"] > 0  # drawn, never admitted
+  assert result["dropped"]["shutdown"] == result["produced"] > 0
