@@ -24,37 +24,29 @@ BINDINGS = run_lives.TINY_BINDINGS + (
     "RunConfig.reward_timeout_s = 1.0",
     "RunConfig.reward_retries = 0",
 )
-PROCESSES = ("RunConfig.backend = 'processes'",)
-# (mode, point, hit, more bindings): hits land after a few versions.
-CASES = [("gin/modes/async_partial.gin", point, hit, ()) for point, hit in (
+# (mode, point, hit): hits land after a few versions.
+CASES = [("gin/modes/async_partial.gin", point, hit) for point, hit in (
     ("checkpoint.before_write", 2), ("checkpoint.after_write", 2), ("buffer.get_groups", 5),
     ("learner.trained", 5), ("learner.take_publish", 5), ("sync.publish", 5),
     ("rollout.decode_step", 60))]
-CASES += [("gin/modes/sync.gin", "sync.publish", 3, ()),
-          ("gin/modes/sync.gin", "buffer.get_groups", 3, ())]
-# The processes backend: a hang in the learner's process, and one in a rollout server's (its
-# heartbeat still answers, so only the learner's watchdog can end the run; it names the point
-# from the server's health answer). The learner's own evaluation decodes fewer steps than 60.
-CASES += [("gin/modes/async_partial.gin", "learner.trained", 5, PROCESSES),
-          ("gin/modes/async_partial.gin", "rollout.decode_step", 60, PROCESSES)]
+CASES += [("gin/modes/sync.gin", "sync.publish", 3), ("gin/modes/sync.gin", "buffer.get_groups", 3)]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3000)
 def test_a_hang_at_each_point_ends_the_run_within_its_bound(tmp_path):
-  assert {point for _, point, _, _ in CASES} == set(faults.POINTS) - {"reward.call"}
+  assert {point for _, point, _ in CASES} == set(faults.POINTS) - {"reward.call"}
   failures = []
   for first in range(0, len(CASES), AT_ONCE):
     runs = []
-    for i, (gin_file, point, hit, extra) in enumerate(CASES[first:first + AT_ONCE],
-                                                     start=first):
-      bindings = BINDINGS + extra + ("RunConfig.total_samples = 10000000",)
-      runs.append((point, f"{gin_file} {extra}", run_lives.start(
-          tmp_path / f"run{i}", gin_file, bindings, faults_plan=f"{point}=hang@{hit}")))
-    for point, name, process in runs:
+    for i, (gin_file, point, hit) in enumerate(CASES[first:first + AT_ONCE], start=first):
+      bindings = BINDINGS + ("RunConfig.total_samples = 10000000",)
+      runs.append((point, gin_file, run_lives.start(tmp_path / f"run{i}", gin_file, bindings,
+                                                    faults_plan=f"{point}=hang@{hit}")))
+    for point, gin_file, process in runs:
       code, out, err, seconds = run_lives.finish(process, BOUND_S)
       if code != EXIT_CODE or f"blocked at fault point {point}" not in err:
-        failures.append(f"{name} {point}: returncode {code} after {seconds:.0f} s\n"
+        failures.append(f"{gin_file} {point}: returncode {code} after {seconds:.0f} s\n"
                         f"{out[-1000:]}\n{err[-2000:]}")
   assert not failures, "\n\n".join(failures)
 
