@@ -216,6 +216,12 @@ class Rollouter(RoleThread):
       self.counts["shutdown"] += len(samples)
       self._drop_log.append(("shutdown", [sample.uid for sample in samples]))
 
+  @property
+  def rewarding(self) -> int:
+    """How many samples are in the reward pool now."""
+    with self._lock:
+      return self._rewarding
+
   def wait_rewards(self, timeout: float) -> bool:
     """Waits until no sample is in the reward pool; False if some still are after `timeout`."""
     with self._rewarding_cv:

@@ -44,6 +44,14 @@ def keep_spans(pending: list, health: dict) -> None:
     del pending[:-MAX_PENDING_SPANS]
 
 
+def warn_unscored(index: int, health: dict, log) -> None:
+  """A stopped server's answer still counting samples in its reward pool: they reach neither
+  the buffer nor its drops, and the run's ledger audit will report them missing."""
+  if health.get("rewarding"):
+    log(f"warning: rollout server {index} stopped with {health['rewarding']} samples still "
+        "being scored (a reward call slower than the stop's timeout)")
+
+
 def produced_groups(next_group_ids: list[int]) -> list[int]:
   """The group ids K servers drew, from each one's next group id (server k: k, k + K, ...)."""
   stride = len(next_group_ids)
@@ -253,6 +261,7 @@ class Fleet:
           if server.alive:
             self.last_health[index] = server.stop(timeout)
             keep_spans(self.pending_spans, self.last_health[index])
+            warn_unscored(index, self.last_health[index], self.log)
         except (wire.ServiceTimeout, wire.ServiceGone, EOFError, OSError) as error:
           self.log(f"rollout server {index} did not stop cleanly ({error!r}): killed")
         finally:

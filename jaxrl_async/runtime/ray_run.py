@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from jaxrl_async.runtime import ray_backend
-from jaxrl_async.runtime.fleet import Fleet, keep_spans
+from jaxrl_async.runtime.fleet import Fleet, keep_spans, warn_unscored
 from jaxrl_async.runtime.ray_backend import RayBufferClient, RayWeightChannel, require_ray
 
 REISSUE_REASONS = ("actor_restarted", "server_unresponsive")
@@ -202,6 +202,7 @@ class RayFleet:
       try:
         self.last_health[index] = self._call(index, "stop", timeout) or self.last_health[index]
         keep_spans(self.pending_spans, self.last_health[index])
+        warn_unscored(index, self.last_health[index], self.log)
       except Exception as error:  # reported; the actor is killed either way
         self.log(f"rollout actor {index} did not stop cleanly ({error!r}): killed")
       finally:

@@ -60,6 +60,7 @@ class RolloutServer(RolloutControl):
     self._evaluator = None
     self._spans_sent = 0  # of the timer's closed spans, how many health() has handed out
     self._drops: list = []  # every drop of this server, as (reason, sample uids)
+    self._health_lock = threading.Lock()  # health answers may be asked for concurrently
 
   def start(self, timeout: float = 10.0) -> None:
     del timeout
@@ -89,19 +90,27 @@ class RolloutServer(RolloutControl):
   def health(self, timeout: float = 10.0) -> dict[str, Any]:
     del timeout
     role = self.rollouter
-    self._spans_sent, spans = self.timer.spans_since(self._spans_sent)
-    self._drops.extend(role.take_drop_log())
+    with self._health_lock:  # a late answer never misses drops an earlier one took
+      self._spans_sent, spans = self.timer.spans_since(self._spans_sent)
+      self._drops.extend(role.take_drop_log())
+      drops = list(self._drops)
     return {"alive": role.alive, "error": None if role.error is None else repr(role.error),
             "version": role.batcher.version, "counts": dict(role.counts),
-            "next_group_id": role.next_group_id, "drops": list(self._drops),
+            "next_group_id": role.next_group_id, "drops": drops,
+            "rewarding": role.rewarding,
             "timer": self.timer.summary(), "pid": os.getpid(),
             "host": socket.gethostname(), "spans": spans,
             "hanging": sorted(faults.hanging)}  # fault points a thread here is blocked at
 
   def stop(self, timeout: float = 30.0) -> dict[str, Any]:
+    """Stops the role and waits for the batches still being scored: each one ends in the buffer
+    or as a 'shutdown' drop before the answer (this server's last health) is made, so the
+    drops it lists are complete. Samples still scored after `timeout` are named in the answer
+    (`rewarding`) and the run's ledger audit reports them missing."""
     self.rollouter.stop()
     try:
       self.rollouter.join(timeout)
+      self.rollouter.wait_rewards(timeout)
     finally:
       self.side.rewards.close()
     return self.health()

@@ -8,7 +8,7 @@ import time
 import jax
 import numpy as np
 
-from jaxrl_async import ledger
+from jaxrl_async import faults, ledger
 from jaxrl_async.config import RunConfig
 from jaxrl_async.model import init_model, split_model
 from jaxrl_async.runtime import LocalBufferClient, assembly, fleet
@@ -99,3 +99,28 @@ def test_a_stopped_server_accounts_for_every_sample_it_drew():
   assert result["missing"] == [] and result["duplicates"] == [] and result["unknown"] == []
   assert health["counts"]["unstarted_shutdown"] > 0  # drawn, never admitted
   assert result["dropped"]["shutdown"] == result["produced"] > 0
+
+
+def test_a_server_stopped_while_a_batch_is_scored_accounts_for_the_batch():
+  """Stopped while its first batch is in the reward pool (the first reward call takes 3 s): the
+  stop waits for the batch, so its samples are in the buffer or in the last health answer's
+  drops when the stop returns, not put into the buffer after the run has closed its books."""
+  faults.configure("reward.call=delay:3@1")
+  try:
+    with server_on_a_real_buffer() as (server, buffer, _):
+      server.start(30.0)
+      deadline = time.monotonic() + 120.0
+      while server.rollouter.rewarding == 0:
+        assert time.monotonic() < deadline, "no batch reached the reward pool"
+        time.sleep(0.01)
+      health = server.stop(60.0)
+      buffer.discard_queued("shutdown")
+      events = [{"event": "dropped", "reason": reason, "samples": uids}
+                for reason, uids in buffer.take_drop_log() + [tuple(d) for d in health["drops"]]]
+  finally:
+    faults.configure(None)
+  result = ledger.audit(events, groups=fleet.produced_groups([health["next_group_id"]]),
+                        group_size=CONFIG.group_size)
+  assert result["missing"] == [] and result["duplicates"] == [] and result["unknown"] == []
+  assert result["dropped"]["shutdown"] == result["produced"] > 0
+  assert health["rewarding"] == 0
