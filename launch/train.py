@@ -7,10 +7,12 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib.util  # noqa: F401  (gin-config 0.5 needs it loaded to resolve file paths)
 import json
 import os
 import pathlib
+import signal
 import sys
 import time
 
@@ -78,6 +80,8 @@ def _qualify(binding: str) -> str:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  # `kill -USR1 <pid>` prints every thread's stack to stderr (a run that seems stuck).
+  faulthandler.register(signal.SIGUSR1, all_threads=True)
   compilation_cache.enable()
   try:
     load_config(args.gin_file or [DEFAULT_GIN], args.gin_bindings)

@@ -54,7 +54,14 @@ def test_sigint_stops_an_async_run_with_a_checkpoint_that_resumes(tmp_path):
       time.sleep(0.2)
     process.send_signal(signal.SIGINT)
     began = time.monotonic()
-    out, err = process.communicate(timeout=60)
+    try:
+      out, err = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+      process.send_signal(signal.SIGUSR1)  # every thread's stack, to say where it is stuck
+      time.sleep(2.0)
+      process.kill()
+      out, err = process.communicate(timeout=30)
+      raise AssertionError(f"no exit within 60 s of SIGINT; its threads:\n{err[-12000:]}") from None
     stopped_after = time.monotonic() - began
   finally:
     if process.poll() is None:
