@@ -24,23 +24,28 @@ BINDINGS = run_lives.TINY_BINDINGS + (
     "RunConfig.reward_timeout_s = 1.0",
     "RunConfig.reward_retries = 0",
 )
-# (mode, point, hit): hits land after a few versions.
-CASES = [("gin/modes/async_partial.gin", point, hit) for point, hit in (
+# (mode, point, hit, more bindings): hits land after a few versions.
+CASES = [("gin/modes/async_partial.gin", point, hit, ()) for point, hit in (
     ("checkpoint.before_write", 2), ("checkpoint.after_write", 2), ("buffer.get_groups", 5),
     ("learner.trained", 5), ("learner.take_publish", 5), ("sync.publish", 5),
     ("rollout.decode_step", 60))]
-CASES += [("gin/modes/sync.gin", "sync.publish", 3), ("gin/modes/sync.gin", "buffer.get_groups", 3)]
+CASES += [("gin/modes/sync.gin", "sync.publish", 3, ()),
+          ("gin/modes/sync.gin", "buffer.get_groups", 3, ())]
+# The processes backend: the learner's watchdog, in its own process, ends a run whose learner
+# hangs, and one whose rollout server hangs in its decode loop (named from the server's health
+# answer, as its control thread still answers).
+PROCESSES = ("RunConfig.backend = 'processes'", "RunConfig.heartbeat_timeout_s = 10.0")
+PROCESSES_CASES = [("gin/modes/async_partial.gin", "learner.trained", 5, PROCESSES),
+                   ("gin/modes/async_partial.gin", "rollout.decode_step", 60, PROCESSES)]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(3000)
-def test_a_hang_at_each_point_ends_the_run_within_its_bound(tmp_path):
-  assert {point for _, point, _ in CASES} == set(faults.POINTS) - {"reward.call"}
+def _hang_each(cases, tmp_path) -> None:
+  """Runs the cases AT_ONCE at a time; each must end with the watchdog's code, naming its point."""
   failures = []
-  for first in range(0, len(CASES), AT_ONCE):
+  for first in range(0, len(cases), AT_ONCE):
     runs = []
-    for i, (gin_file, point, hit) in enumerate(CASES[first:first + AT_ONCE], start=first):
-      bindings = BINDINGS + ("RunConfig.total_samples = 10000000",)
+    for i, (gin_file, point, hit, extra) in enumerate(cases[first:first + AT_ONCE], start=first):
+      bindings = BINDINGS + extra + ("RunConfig.total_samples = 10000000",)
       runs.append((point, gin_file, run_lives.start(tmp_path / f"run{i}", gin_file, bindings,
                                                     faults_plan=f"{point}=hang@{hit}")))
     for point, gin_file, process in runs:
@@ -49,6 +54,19 @@ def test_a_hang_at_each_point_ends_the_run_within_its_bound(tmp_path):
         failures.append(f"{gin_file} {point}: returncode {code} after {seconds:.0f} s\n"
                         f"{out[-1000:]}\n{err[-2000:]}")
   assert not failures, "\n\n".join(failures)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3000)
+def test_a_hang_at_each_point_ends_the_run_within_its_bound(tmp_path):
+  assert {point for _, point, _, _ in CASES} == set(faults.POINTS) - {"reward.call"}
+  _hang_each(CASES, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_a_hang_in_the_learner_or_a_rollout_server_process_ends_the_run(tmp_path):
+  _hang_each(PROCESSES_CASES, tmp_path)
 
 
 @pytest.mark.slow
