@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import importlib.util  # noqa: F401  (gin-config 0.5 needs it loaded to resolve file paths)
 import json
@@ -81,7 +82,9 @@ def _qualify(binding: str) -> str:
 def main(argv=None) -> int:
   args = parse_args(argv)
   # `kill -USR1 <pid>` prints every thread's stack to stderr (a run that seems stuck).
-  faulthandler.register(signal.SIGUSR1, all_threads=True)
+  # (Not where stderr has no file descriptor, as under a test's captured output.)
+  with contextlib.suppress(AttributeError, ValueError, OSError):
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
   compilation_cache.enable()
   try:
     load_config(args.gin_file or [DEFAULT_GIN], args.gin_bindings)
