@@ -32,7 +32,7 @@ ENV = "JAXRL_ASYNC_FAULTS"
 POINTS = (
     "checkpoint.before_write",  # the learner is about to write a periodic checkpoint
     "checkpoint.after_write",  # the checkpoint is written and finalized
-    "buffer.get_groups",  # the learner asks the buffer for an update's groups
+    "buffer.get_groups",  # the learner asks the buffer for an update's groups, and they are ready
     "learner.trained",  # a version's updates done, the next update's groups not taken yet
     "learner.take_publish",  # next groups taken from the buffer, new version not published
     "reward.call",  # a reward function call, in its call thread
@@ -92,6 +92,11 @@ def configure(spec: str | None) -> None:
   with _lock:
     _plan = plan or None
     _hits.clear()
+
+
+def planned(name: str) -> bool:
+  """Whether the plan names the point (for a point whose placement costs something)."""
+  return _plan is not None and name in _plan
 
 
 def point(name: str) -> None:

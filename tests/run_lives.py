@@ -75,14 +75,22 @@ KILL_HITS = {
     "rollout.decode_step": (100, 1500),
     "reward.call": (300, 4000),
 }
+# The same points on a tiny run (8 or 16 samples a version, short answers): every kill lands
+# within a few tens of versions of a life's start, so 3 kills fit in a run of 150 versions.
+TINY_KILL_HITS = {**KILL_HITS, "buffer.get_groups": (5, 40), "learner.take_publish": (5, 30),
+                  "sync.publish": (5, 30), "rollout.decode_step": (20, 200),
+                  "reward.call": (20, 200)}
 SYNC_POINTS = ("checkpoint.before_write", "checkpoint.after_write", "buffer.get_groups",
                "sync.publish", "rollout.decode_step", "reward.call")
 
 
-def chaos(run_dir, gin_file, bindings, *, kills: int, seed: int, points, life_timeout_s=900,
-          first_life_timeout_s=2400, max_lives: int | None = None, log=print) -> dict:
+def chaos(run_dir, gin_file, bindings, *, kills: int, seed: int, points, kill_hits=None,
+          life_timeout_s=900, first_life_timeout_s=2400, max_lives: int | None = None,
+          log=print) -> dict:
   """Kills the run with SIGKILL (a fault plan per life) until `kills` kills have happened,
-  resuming after each, then lets it finish. Returns what happened."""
+  resuming after each, then lets it finish. `kill_hits`: point -> (lo, hi) hit counts where
+  a kill lands (default KILL_HITS). Returns what happened."""
+  kill_hits = kill_hits or KILL_HITS
   rng = random.Random(seed)
   history, killed = [], 0
   max_lives = max_lives or 4 * kills + 4
@@ -90,7 +98,7 @@ def chaos(run_dir, gin_file, bindings, *, kills: int, seed: int, points, life_ti
     plan = None
     if killed < kills:
       point = rng.choice(points)
-      plan = f"{point}=kill@{rng.randint(*KILL_HITS[point])}"
+      plan = f"{point}=kill@{rng.randint(*kill_hits[point])}"
     process = start(run_dir, gin_file, bindings, resume=life > 0, faults_plan=plan)
     # The first life also makes the base policy (the warm start) unless it is cached.
     code, out, err, seconds = finish(process, first_life_timeout_s if life == 0

@@ -26,28 +26,58 @@ def _seed() -> int:
   return int(os.environ.get("JAXRL_ASYNC_CHAOS_SEED", random.randrange(1 << 30)))
 
 
+TINY_BINDINGS = run_lives.TINY_BINDINGS + (
+    "RunConfig.checkpoint_every_versions = 20",
+    "RunConfig.eval_every_versions = 1000",
+)
+ALL_POINTS = tuple(run_lives.KILL_HITS)
+TRIGGER2 = ("RunConfig.mini_batch_size = 4", "RunConfig.trigger_parameter_sync_step = 2")
+TINY_TRIGGER2 = ("RunConfig.trigger_parameter_sync_step = 2",)  # 16 samples a version
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(5400)
 @pytest.mark.parametrize("gin_file, extra, kills, points", [
-    ("gin/modes/async_partial.gin", (), 5, tuple(run_lives.KILL_HITS)),
-    ("gin/modes/sync.gin", (), 3, run_lives.SYNC_POINTS),
-    ("gin/modes/async_partial.gin", ("RunConfig.mini_batch_size = 4",
-                                     "RunConfig.trigger_parameter_sync_step = 2"), 3,
-     tuple(run_lives.KILL_HITS)),
+    ("gin/modes/async_partial.gin", (), 5, ALL_POINTS),
+    pytest.param("gin/modes/sync.gin", (), 3, run_lives.SYNC_POINTS, marks=pytest.mark.soak),
+    pytest.param("gin/modes/async_partial.gin", TRIGGER2, 3, ALL_POINTS, marks=pytest.mark.soak),
 ], ids=["async_partial", "sync", "async_partial-trigger2"])
 def test_kill_9_at_random_points_loses_and_duplicates_nothing(tmp_path, gin_file, extra, kills,
                                                               points):
+  """The default task and budget: the books balance and the accuracy is a clean run's."""
+  report, history = _chaos(tmp_path, gin_file, CHAOS_BINDINGS + extra, kills, points,
+                           run_lives.KILL_HITS)
+  run_lives.check_books(report, NUM_VERSIONS)
+  assert history["kills"] >= kills
+  assert report["summary"]["eval/accuracy"] >= 0.85
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("gin_file, extra, kills, points, versions", [
+    ("gin/modes/sync.gin", (), 3, run_lives.SYNC_POINTS, 200),
+    ("gin/modes/async_partial.gin", TINY_TRIGGER2, 3, ALL_POINTS, 150),
+], ids=["sync", "async_partial-trigger2"])
+def test_kill_9_on_a_tiny_run_loses_and_duplicates_nothing(tmp_path, gin_file, extra, kills,
+                                                           points, versions):
+  """The other schedules on a tiny run (books only; the default budget's runs are soaks)."""
+  samples = versions * (16 if extra else 8)
+  report, history = _chaos(tmp_path, gin_file, TINY_BINDINGS + extra + (
+      f"RunConfig.total_samples = {samples}",), kills, points, run_lives.TINY_KILL_HITS)
+  run_lives.check_books(report, versions)
+  assert history["kills"] >= kills
+
+
+def _chaos(tmp_path, gin_file, bindings, kills, points, kill_hits):
   seed = _seed()
-  print(f"\nchaos seed {seed} ({gin_file} {extra}); replay with JAXRL_ASYNC_CHAOS_SEED={seed}")
+  print(f"\nchaos seed {seed} ({gin_file} {bindings}); replay with JAXRL_ASYNC_CHAOS_SEED={seed}")
   run_dir = tmp_path / "run"
-  history = run_lives.chaos(run_dir, gin_file, CHAOS_BINDINGS + extra, kills=kills, seed=seed,
-                            points=points)
+  history = run_lives.chaos(run_dir, gin_file, bindings, kills=kills, seed=seed, points=points,
+                            kill_hits=kill_hits)
   report = run_lives.books(run_dir)
-  figures = json.dumps({"mode": gin_file, "extra": extra, **history, **report["figures"]})
+  figures = json.dumps({"mode": gin_file, "bindings": bindings, **history, **report["figures"]})
   print("chaos figures: " + figures)
   if os.environ.get("JAXRL_ASYNC_CHAOS_REPORT"):  # a file to collect the figures of each run
     with open(os.environ["JAXRL_ASYNC_CHAOS_REPORT"], "a", encoding="utf-8") as f:
       f.write(figures + "\n")
-  run_lives.check_books(report, NUM_VERSIONS)
-  assert history["kills"] >= kills
-  assert report["summary"]["eval/accuracy"] >= 0.85
+  return report, history

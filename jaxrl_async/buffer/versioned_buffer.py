@@ -229,7 +229,6 @@ class VersionedBuffer:
     is taken from the queue. Returned samples are stamped 'consumed'.
     """
     deadline = check_timeout("get_groups", timeout)
-    faults.point("buffer.get_groups")
     max_groups = self._capacity // self._group_size
     if not is_int(num_groups) or not 1 <= num_groups <= max_groups:
       raise ValueError(f"get_groups: num_groups={num_groups!r} must be an int in [1, "
@@ -238,13 +237,24 @@ class VersionedBuffer:
       raise ValueError(f"get_groups: learner_version={learner_version!r} must be an int")
     with self._lock:
       self._consumers_wanting.append(num_groups)
+      faulted = False
       try:
         while True:
           if self._closed:
             raise BufferClosed("get_groups: the buffer is closed")
           self._drop_stale_locked(learner_version)
           if len(self._ready) >= num_groups:
-            break
+            if faulted or not faults.planned("buffer.get_groups"):
+              break
+            # The fault point is passed by calls that find their groups ready (so a hit
+            # counts takes, not polls), outside the lock; readiness is checked again after it.
+            faulted = True
+            self._lock.release()
+            try:
+              faults.point("buffer.get_groups")
+            finally:
+              self._lock.acquire()
+            continue
           remaining = deadline - time.monotonic()
           if remaining <= 0:
             raise BufferTimeout(

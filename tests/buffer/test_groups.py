@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+from jaxrl_async import faults
 from jaxrl_async.buffer import (
   GROUP_DROP_PRIORITY,
   LATENCY_WINDOW,
@@ -308,3 +309,23 @@ def test_check_invariants_reports_numbers():
   buffer._acc.queued += 1  # corrupt the accounting on purpose
   with pytest.raises(AssertionError, match=r"put=1 != consumed=0 \+ dropped=0 .* queued=2"):
     buffer.check_invariants()
+
+
+def test_the_get_groups_fault_point_counts_takes_not_polls_and_fires_before_the_take():
+  faults.configure("buffer.get_groups=raise@2")
+  try:
+    buffer = make_buffer(group_size=2, groups_per_version=2)
+    for _ in range(3):  # polls of an empty buffer pass no hit
+      with pytest.raises(BufferTimeout):
+        buffer.get_groups(1, 0, 0.001)
+    buffer.acquire_group_slot(1.0)
+    put_group(buffer, make_group(0, 2))
+    assert buffer.get_groups(1, 0, 1.0)[0][0].group_id == 0  # hit 1
+    buffer.acquire_group_slot(1.0)
+    put_group(buffer, make_group(1, 2))
+    with pytest.raises(faults.FaultInjected, match="hit 2"):
+      buffer.get_groups(1, 0, 1.0)
+    assert buffer.metrics()["queue/ready_groups"] == 1  # nothing was taken
+    assert buffer.get_groups(1, 0, 1.0)[0][0].group_id == 1  # the lock was given back
+  finally:
+    faults.configure(None)

@@ -195,10 +195,13 @@ def test_resume_gives_each_server_its_shard_back(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_default_task_trains_with_rollout_servers_as_processes(tmp_path):
+@pytest.mark.parametrize("versions, accuracy", [
+    (300, 0.75), pytest.param(800, 0.85, marks=pytest.mark.soak)], ids=["300", "default"])
+def test_the_default_task_trains_with_rollout_servers_as_processes(tmp_path, versions, accuracy):
   """The README's default run (gin/modes/async_partial.gin) with backend='processes'."""
   train.load_config(["gin/modes/async_partial.gin"], [
-      "RunConfig.backend = 'processes'", "RunConfig.eval_every_versions = 200"])
+      "RunConfig.backend = 'processes'", "RunConfig.eval_every_versions = 100",
+      f"RunConfig.total_samples = {versions * 64}"])
   try:
     config = gin.get_configurable(config_lib.RunConfig)()
   finally:
@@ -206,7 +209,7 @@ def test_the_default_task_trains_with_rollout_servers_as_processes(tmp_path):
   summary = controller.run(config, str(tmp_path), progress=False, log=quiet)
   assert summary["backend"] == "processes"
   assert summary["policy_version"] == config.num_versions
-  assert summary["eval/accuracy"] >= 0.85
+  assert summary["eval/accuracy"] >= accuracy  # from 0.5 (the base policy)
   records = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "algo/version_gap_max" in r]
   assert max(r["algo/version_gap_max"] for r in records) <= config.max_version_gap
   dropped = sum(v for k, v in summary.items() if k.startswith("queue/dropped/"))
