@@ -240,7 +240,7 @@ def _run_async(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print
     log(f"warning: samples still in the reward pool after {JOIN_TIMEOUT_S} s")
   ledger.dropped_log(buffer.take_drop_log() + rollouter.take_drop_log())
   buffer.check_invariants()
-  audit = ledger_audit(ledger, rollouter.next_group_id, cfg.group_size)
+  audit = ledger_audit(ledger, cfg.group_size, next_group_id=rollouter.next_group_id)
   summary = {**timer.summary(), **last_eval, **buffer.metrics(), **channel.metrics(),
              **reward_metrics(parts.rewards), **audit,
              "mode": cfg.mode, "policy_version": learner.version,

@@ -281,7 +281,7 @@ def reward_metrics(rewards: RewardPool) -> dict[str, int]:
   return {f"reward/{name}": int(count) for name, count in rewards.counts.items()}
 
 
-def ledger_audit(ledger: SampleLedger, next_group_id: int | None, group_size: int, *,
+def ledger_audit(ledger: SampleLedger, group_size: int, *, next_group_id: int | None = None,
                  groups=None) -> dict:
   """The sample ledger's audit at the end of a run, as `ledger/...` figures; a lost or
   duplicated sample is reported on stderr (the summary says how many). The produced groups:
@@ -412,7 +412,7 @@ def run_sync(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print):
     checkpointer.close()
   ledger.dropped_log(buffer.take_drop_log())
   buffer.check_invariants()
-  audit_figures = ledger_audit(ledger, next_group, cfg.group_size)
+  audit_figures = ledger_audit(ledger, cfg.group_size, next_group_id=next_group)
   ledger.close()
   parts.state = state
   return {**timer.summary(), **last_eval, **buffer.metrics(), **reward_metrics(parts.rewards),

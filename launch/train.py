@@ -85,6 +85,12 @@ def main(argv=None) -> int:
   # (Not where stderr has no file descriptor, as under a test's captured output.)
   with contextlib.suppress(AttributeError, ValueError, OSError):
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+  # SIGINT stops a run with a checkpoint (Ctrl-C, `kill -INT`, a sweep stopping its trials),
+  # also where the run was started as a background job of a non-interactive shell, which
+  # starts it with SIGINT ignored (then Python installs no handler). Main thread only.
+  with contextlib.suppress(ValueError):
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+      signal.signal(signal.SIGINT, signal.default_int_handler)
   compilation_cache.enable()
   try:
     load_config(args.gin_file or [DEFAULT_GIN], args.gin_bindings)

@@ -29,6 +29,10 @@ def _command(run_dir, total_samples, *extra):
   return command
 
 
+def _ignore_sigint():
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _versions(run_dir):
   path = os.path.join(run_dir, "metrics.jsonl")
   if not os.path.exists(path):
@@ -44,8 +48,11 @@ def test_sigint_stops_an_async_run_with_a_checkpoint_that_resumes(tmp_path):
   env = {**os.environ, "JAXRL_ASYNC_CACHE": str(tmp_path / "cache"),
          "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
   run_dir = tmp_path / "run"
+  # Started with SIGINT ignored, as a background job of a non-interactive shell starts it
+  # (a CI runner's, a `nohup ... &`): the run must stop on SIGINT all the same.
   process = subprocess.Popen(_command(run_dir, 10_000_000), cwd=ROOT, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=_ignore_sigint)
   try:
     deadline = time.monotonic() + 240
     while len(_versions(run_dir)) < 3:

@@ -284,7 +284,7 @@ def _run(parts, run_dir, resume, progress, log, timer, writer, checkpointer, eva
   buffer.check_invariants()
   write_ledger(os.path.join(run_dir, "prompt_ledger.json"), service, consumed_groups)
   produced = fleet.produced_groups()
-  audit = ledger_audit(ledger, None, cfg.group_size, groups=produced)
+  audit = ledger_audit(ledger, cfg.group_size, groups=produced)
   parts.state = final_state
   return {**timer.summary(), **last_eval, **buffer.metrics(), **channel.metrics(), **audit,
           "rollout/produced_groups": len(produced),
