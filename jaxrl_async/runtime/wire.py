@@ -258,9 +258,11 @@ class Server:
     if self._stop.is_set():
       return
     self._stop.set()
-    # accept() does not wake when the listener is closed from another thread: connect once.
-    with contextlib.suppress(OSError, EOFError, mp_connection.AuthenticationError):
-      mp_connection.Client(self.address, authkey=self.authkey).close()
+    # accept() does not wake when the listener is closed from another thread: connect once,
+    # without the handshake (an authenticated connect waits for the server's challenge, for
+    # good when the accept thread has already left its loop); accept() fails its handshake.
+    with contextlib.suppress(OSError):
+      socket.create_connection(self.address, timeout=timeout).close()
     self._accept_thread.join(timeout)
     self._listener.close()
     with self._lock:
@@ -283,9 +285,37 @@ def no_delay(conn):
 
 
 def connect(address, authkey: bytes, timeout: float):
-  """A client connection to a `Server` (the connect itself is bounded by the OS)."""
-  del timeout  # a local TCP connect either succeeds or is refused at once
+  """An authenticated client connection to a `Server`, made within `timeout` seconds: a
+  server that accepts the TCP connection but never answers the handshake (stopped, or its
+  accept thread gone) raises ServiceTimeout instead of blocking for good."""
   try:
-    return no_delay(mp_connection.Client(address, authkey=authkey))
-  except (OSError, EOFError) as error:
+    sock = socket.create_connection(address, timeout=timeout)
+  except TimeoutError as error:
+    raise ServiceTimeout(f"cannot connect to {address} within {timeout:.3g} s") from error
+  except OSError as error:
     raise ServiceGone(f"cannot connect to {address}: {error!r}") from error
+  sock.settimeout(None)  # a blocking descriptor for Connection; the handshake's reads bounded:
+  _receive_timeout(sock, timeout)
+  conn = mp_connection.Connection(sock.detach())
+  try:
+    mp_connection.answer_challenge(conn, authkey)  # what Client(address, authkey) does
+    mp_connection.deliver_challenge(conn, authkey)
+    with socket.socket(fileno=os.dup(conn.fileno())) as dup:
+      _receive_timeout(dup, 0.0)  # calls bound their own waits (`call`)
+  except BlockingIOError as error:  # SO_RCVTIMEO ran out
+    conn.close()
+    raise ServiceTimeout(f"{address}: no handshake within {timeout:.3g} s") from error
+  except (OSError, EOFError) as error:
+    conn.close()
+    raise ServiceGone(f"cannot connect to {address}: {error!r}") from error
+  except BaseException:
+    conn.close()
+    raise
+  return no_delay(conn)
+
+
+def _receive_timeout(sock, seconds: float) -> None:
+  """SO_RCVTIMEO: a blocking read fails with EAGAIN after `seconds` (0: never)."""
+  whole = int(seconds)
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                  struct.pack("ll", whole, int((seconds - whole) * 1e6)))

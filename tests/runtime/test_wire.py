@@ -1,7 +1,11 @@
 """The columnar sample encoding: every field of every sample round-trips exactly; anything else
 is refused with a clear error."""
 
+import os
 import pickle
+import socket
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -91,3 +95,57 @@ def test_a_truncated_blob_fails_clearly():
                                      prompt_tokens=[1, 2, 3])])
   with pytest.raises(ValueError, match="bytes of arrays"):
     wire.decode_samples(blob[:-4])
+
+
+def _returns_within(fn, seconds: float):
+  """Runs `fn` in a thread; (finished, what it raised) after at most `seconds`."""
+  raised = []
+
+  def target():
+    try:
+      fn()
+    except Exception as error:  # reported to the test
+      raised.append(error)
+
+  thread = threading.Thread(target=target, daemon=True)
+  thread.start()
+  thread.join(seconds)
+  return not thread.is_alive(), raised
+
+
+def test_a_server_whose_accept_thread_is_held_still_stops_within_its_timeout():
+  server = wire.Server(lambda conn: (lambda method, args, kwargs: None), b"key", name="held")
+  server.start()
+  silent = socket.create_connection(server.address)  # never answers the challenge
+  try:
+    time.sleep(0.2)  # the accept thread now waits for this peer's answer
+    finished, raised = _returns_within(lambda: server.stop(timeout=1.0), 20.0)
+    assert finished, "stop() blocked (its wake-up connect waited for a handshake)"
+    assert raised and isinstance(raised[0], TimeoutError), raised  # named, not hung
+  finally:
+    silent.close()
+
+
+def test_connect_to_a_server_that_never_answers_the_handshake_times_out():
+  with socket.create_server(("127.0.0.1", 0)) as listener:  # the backlog accepts; no one answers
+    began = time.monotonic()
+    with pytest.raises(wire.ServiceTimeout, match="no handshake within"):
+      wire.connect(listener.getsockname(), b"key", 0.5)
+    assert time.monotonic() - began < 10.0
+
+
+def test_a_connection_made_with_a_short_timeout_serves_slow_calls():
+  def handler(method, args, kwargs):
+    time.sleep(args[0])
+    return method
+
+  server = wire.Server(lambda conn: handler, b"key")
+  server.start()
+  try:
+    conn = wire.connect(server.address, b"key", 0.3)
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:  # the handshake's bound is gone
+      assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16) == bytes(16)
+    assert wire.call(conn, "slow", (1.0,), {}, 5.0) == "slow"
+    conn.close()
+  finally:
+    server.stop(timeout=5.0)
