@@ -302,14 +302,12 @@ def connect(address, authkey: bytes, timeout: float):
     mp_connection.deliver_challenge(conn, authkey)
     with socket.socket(fileno=os.dup(conn.fileno())) as dup:
       _receive_timeout(dup, 0.0)  # calls bound their own waits (`call`)
-  except BlockingIOError as error:  # SO_RCVTIMEO ran out
+  except BaseException as error:
     conn.close()
-    raise ServiceTimeout(f"{address}: no handshake within {timeout:.3g} s") from error
-  except (OSError, EOFError) as error:
-    conn.close()
-    raise ServiceGone(f"cannot connect to {address}: {error!r}") from error
-  except BaseException:
-    conn.close()
+    if isinstance(error, BlockingIOError):  # SO_RCVTIMEO ran out
+      raise ServiceTimeout(f"{address}: no handshake within {timeout:.3g} s") from error
+    if isinstance(error, (OSError, EOFError)):
+      raise ServiceGone(f"cannot connect to {address}: {error!r}") from error
     raise
   return no_delay(conn)
 
