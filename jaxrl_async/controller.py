@@ -2,8 +2,10 @@
 
 `build` makes the parts every mode shares (task, model, engine, learner state, update step,
 reward pool, prompt pipeline); the sync baseline and the async modes use the very same parts
-and differ only in their barriers. The sync loop is here; the async roles live in
-`rollout/rollouter.py`, `learner/learner.py` and `sync/`.
+and differ only in their barriers. The loops: `sync_controller.py` (the baseline),
+`async_controller.py` (the roles as threads; the roles themselves live in
+`rollout/rollouter.py`, `learner/learner.py` and `sync/`) and `runtime/processes.py` (rollout
+servers as processes or Ray actors).
 """
 
 from __future__ import annotations
@@ -18,23 +20,20 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_async import faults, sharding
+from jaxrl_async import sharding
 from jaxrl_async.buffer import VersionedBuffer
-from jaxrl_async.checkpoint import RunCheckpointer, check_run_dir
+from jaxrl_async.checkpoint import check_run_dir
 from jaxrl_async.config import RunConfig
 from jaxrl_async.learner import step as step_lib
 from jaxrl_async.learner.batching import bucket_length, collate, longest_sequence, pack
 from jaxrl_async.learner.sft import cached_base_policy
 from jaxrl_async.ledger import (
-  LEDGER_FILE,
   SampleLedger,
   audit,
   audit_metrics,
-  log_offsets,
   read_events,
-  rewind_logs,
 )
-from jaxrl_async.metrics import RoleTimer, reduce_metrics, staleness_metrics, sum_pairs
+from jaxrl_async.metrics import RoleTimer, reduce_metrics, staleness_metrics
 from jaxrl_async.model import get_config, init_model, param_logical_axes, split_model
 from jaxrl_async.rollout.engine import Engine
 from jaxrl_async.rollout.evaluate import evaluate
@@ -49,7 +48,6 @@ from jaxrl_async.sinks import make_writer
 from jaxrl_async.tasks import prompts as prompts_lib
 from jaxrl_async.tasks.reverse import DigitReverseTask
 from jaxrl_async.types import Sample
-from jaxrl_async.watchdog import Watchdog
 
 # Sync mode never waits on another role: a buffer call that blocks this long is a bug.
 ADMISSION_TIMEOUT_S = 60.0
@@ -232,6 +230,7 @@ def run_parts(parts: Parts, run_dir: str | os.PathLike, *, resume: bool = False,
       from jaxrl_async.async_controller import run_async
       summary = run_async(parts, run_dir, resume=resume, progress=progress, log=log)
     else:
+      from jaxrl_async.sync_controller import run_sync
       summary = run_sync(parts, run_dir, resume=resume, progress=progress, log=log)
   finally:
     parts.rewards.close()
@@ -296,153 +295,18 @@ def ledger_audit(ledger: SampleLedger, group_size: int, *, next_group_id: int | 
   return audit_metrics(result)
 
 
-def run_sync(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print):
-  """The baseline: rollout -> reward -> old logprob -> update -> push weights, in turn."""
-  cfg = parts.config
-  checkpointer = RunCheckpointer(os.path.join(run_dir, "checkpoints"), log=log)
-  buffer = make_buffer(parts)
-  batcher = parts.new_batcher()
-  state = parts.state
-  version, next_group, consumed, tokens_consumed = 0, 0, 0, 0
-  restored = checkpointer.restore_latest(state, parts.prompt_iterator) if resume else None
-  rewind_logs(run_dir, restored[1] if restored is not None else None)
-  if restored is not None:
-    state, run_state, _ = restored
-    version, next_group = run_state["policy_version"], run_state["next_group_id"]
-    consumed, tokens_consumed = run_state["consumed_samples"], run_state["consumed_tokens"]
-    buffer.set_state(run_state["buffer"])
-  timer, writer, evaluator = run_services(parts, run_dir)
-  ledger = SampleLedger(os.path.join(run_dir, LEDGER_FILE))
-  if restored is not None:
-    timer.start -= run_state.get("wall_s", 0.0)
-    log(f"resumed from {checkpointer.directory} at policy_version {version}")
-  buffer.publish_version(version)
-  window_params = copy_params(state.params) if cfg.needs_window_params else None
-  batcher.set_params(copy_params(state.params), version)
-  last_eval: dict[str, float] = {}
-  bar = progress_bar(cfg.num_versions, version, progress)
-
-  def run_state_now() -> dict:
-    ledger.dropped_log(buffer.take_drop_log())
-    return {"policy_version": version, "next_group_id": next_group,
-            "consumed_samples": consumed, "consumed_tokens": tokens_consumed,
-            "wall_s": timer.wall_s(), "buffer": buffer.get_state(),
-            **log_offsets(run_dir, ledger)}
-
-  def describe() -> str:
-    return f"sync at policy_version {version}, buffer {buffer.counts}"
-
-  boundary = None
-  watchdog = Watchdog(cfg.watchdog_timeout_s, startup_s=cfg.watchdog_startup_s,
-                      describe=describe)
-  try:
-    with watchdog:
-      while version < cfg.num_versions:
-        if version % cfg.eval_every_versions == 0:
-          with timer.excluded():
-            last_eval = evaluator(state.params, version)
-          writer.write({"policy_version": version, "learner_step": int(state.step),
-                        "samples": consumed, "time_s": timer.wall_s(), **last_eval})
-        # Where this version starts: a Ctrl-C before its first update checkpoints this point.
-        boundary = (parts.prompt_iterator.get_state(), next_group, state, run_state_now())
-        requests = []
-        for _ in range(cfg.groups_per_version):
-          buffer.acquire_group_slot(timeout=ADMISSION_TIMEOUT_S)
-          requests += make_group_requests(next(parts.prompt_iterator), next_group,
-                                          cfg.group_size, cfg.seed)
-          next_group += 1
-        with timer.busy("rollout"):
-          samples = batcher.run_to_completion(requests)
-        for sample in parts.rewards.score_all(samples):
-          buffer.put(sample, timeout=ADMISSION_TIMEOUT_S)
-        groups = _take_ready(buffer, version)
-        if cfg.debug_checks:
-          gap = staleness_metrics(groups, version)["algo/version_gap_max"]
-          assert gap == 0, f"sync mode consumed a token with version gap {gap}"
-        accumulated: dict = {}
-        with timer.busy("learner"):
-          for local in range(cfg.trigger_parameter_sync_step):
-            # After drops a chunk may be short: it trains as it is (padded with empty rows).
-            chunk = groups[local * cfg.groups_per_update:(local + 1) * cfg.groups_per_update]
-            if not chunk:
-              break
-            state, metrics = learner_update(parts, state, chunk, window_params, version, local)
-            accumulated = sum_pairs(accumulated, jax.device_get(metrics))
-        consumed += sum(len(g) for g in groups)
-        tokens_consumed += sum(s.num_response_tokens for g in groups for s in g)
-        faults.point("sync.publish")
-        with timer.busy("sync"):
-          began = time.perf_counter()
-          window_params = copy_params(state.params) if cfg.needs_window_params else None
-          batcher.set_params(copy_params(state.params), version + 1)
-          jax.block_until_ready(batcher.params)
-          sync_latency = time.perf_counter() - began
-        version += 1
-        buffer.publish_version(version)
-        watchdog.progress()
-        ledger.consumed(version, groups)
-        record = version_record(parts, timer, version, state, groups, accumulated, consumed,
-                                tokens_consumed, {}, sync_latency)
-        record.update(buffer.metrics())
-        record.update(reward_metrics(parts.rewards))
-        writer.write(record)
-        bar.set_postfix(reward=f"{record['result/reward_mean']:.3f}",
-                        acc=f"{last_eval.get('eval/accuracy', float('nan')):.3f}")
-        bar.update(1)
-        if version % cfg.checkpoint_every_versions == 0 or version == cfg.num_versions:
-          with timer.excluded():
-            checkpointer.save(version, state, parts.prompt_iterator, run_state_now())
-          watchdog.progress()  # a checkpoint that finished is progress too
-      with timer.excluded():
-        last_eval = evaluator(state.params, version)
-      writer.write({"policy_version": version, "learner_step": int(state.step),
-                    "samples": consumed, "time_s": timer.wall_s(), **last_eval})
-  except KeyboardInterrupt:
-    # Nothing of this version was trained yet (the update donates the old state, so a
-    # deleted boundary state means an update ran): rewind the prompts and save the boundary.
-    if boundary is not None and not _deleted(boundary[2]):
-      parts.prompt_iterator.set_state(boundary[0])
-      next_group, state = boundary[1], boundary[2]
-      checkpointer.save(version, state, parts.prompt_iterator, boundary[3])
-      log(f"interrupted: checkpoint at policy_version {version} in {checkpointer.directory}")
-    raise
-  finally:
-    bar.close()
-    writer.close()
-    checkpointer.close()
-  ledger.dropped_log(buffer.take_drop_log())
-  buffer.check_invariants()
-  audit_figures = ledger_audit(ledger, cfg.group_size, next_group_id=next_group)
-  ledger.close()
-  parts.state = state
-  return {**timer.summary(), **last_eval, **buffer.metrics(), **reward_metrics(parts.rewards),
-          **audit_figures, "mode": cfg.mode, "policy_version": version,
-          "learner_step": int(state.step), "consumed_samples": consumed,
-          "system/samples_per_s": consumed / max(timer.wall_s(), 1e-9),
-          "rollout/next_group_id": next_group,
-          "run_dir": os.path.abspath(run_dir), "checkpoint_dir": checkpointer.directory}
-
-
-def _deleted(state) -> bool:
-  return any(x.is_deleted() for x in jax.tree.leaves(state.params))
-
-
 def assemble_groups(parts: Parts, samples: list[Sample], version: int = 0):
   """The whole groups among scored `samples`, by the buffer's rules (a group with a failed
   member is dropped whole), in group id order. For benchmarks and tools that roll out outside
   a run; runs keep their buffer and its drop counts."""
   cfg = parts.config
-  buffer = VersionedBuffer(group_size=cfg.group_size, groups_per_version=cfg.groups_per_version,
-                           staleness_threshold=cfg.staleness_threshold,
-                           max_version_gap=cfg.max_version_gap,
-                           capacity=max(cfg.capacity, len(samples)),
-                           group_filter=cfg.group_filter_fn, drop_truncated=cfg.drop_truncated)
+  buffer = VersionedBuffer(**{**buffer_kwargs(cfg), "capacity": max(cfg.capacity, len(samples))})
   for sample in samples:
     buffer.put(sample, timeout=ADMISSION_TIMEOUT_S)
-  return _take_ready(buffer, version)
+  return take_ready(buffer, version)
 
 
-def _take_ready(buffer: VersionedBuffer, version: int) -> list[list[Sample]]:
+def take_ready(buffer: VersionedBuffer, version: int) -> list[list[Sample]]:
   """Every whole group the version made (the rest were dropped), in group id order."""
   ready = int(buffer.metrics()["queue/ready_groups"])
   if ready == 0:

@@ -1,0 +1,164 @@
+"""The sync baseline's loop: rollout -> reward -> old logprob -> update -> push weights, in turn.
+
+It runs on the parts `controller.build` makes, with the same buffer rules, ledger, checkpoints
+and metrics as the async modes (`async_controller.py` for the roles as threads,
+`runtime/processes.py` for rollout servers in their own processes or Ray actors).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+
+from jaxrl_async import faults
+from jaxrl_async.checkpoint import RunCheckpointer
+from jaxrl_async.controller import (
+  ADMISSION_TIMEOUT_S,
+  Parts,
+  copy_params,
+  learner_update,
+  ledger_audit,
+  make_buffer,
+  make_group_requests,
+  progress_bar,
+  reward_metrics,
+  run_services,
+  take_ready,
+  version_record,
+)
+from jaxrl_async.ledger import LEDGER_FILE, SampleLedger, log_offsets, rewind_logs
+from jaxrl_async.metrics import staleness_metrics, sum_pairs
+from jaxrl_async.watchdog import Watchdog
+
+
+def run_sync(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print):
+  """The baseline: rollout -> reward -> old logprob -> update -> push weights, in turn."""
+  cfg = parts.config
+  checkpointer = RunCheckpointer(os.path.join(run_dir, "checkpoints"), log=log)
+  buffer = make_buffer(parts)
+  batcher = parts.new_batcher()
+  state = parts.state
+  version, next_group, consumed, tokens_consumed = 0, 0, 0, 0
+  restored = checkpointer.restore_latest(state, parts.prompt_iterator) if resume else None
+  rewind_logs(run_dir, restored[1] if restored is not None else None)
+  if restored is not None:
+    state, run_state, _ = restored
+    version, next_group = run_state["policy_version"], run_state["next_group_id"]
+    consumed, tokens_consumed = run_state["consumed_samples"], run_state["consumed_tokens"]
+    buffer.set_state(run_state["buffer"])
+  timer, writer, evaluator = run_services(parts, run_dir)
+  ledger = SampleLedger(os.path.join(run_dir, LEDGER_FILE))
+  if restored is not None:
+    timer.start -= run_state.get("wall_s", 0.0)
+    log(f"resumed from {checkpointer.directory} at policy_version {version}")
+  buffer.publish_version(version)
+  window_params = copy_params(state.params) if cfg.needs_window_params else None
+  batcher.set_params(copy_params(state.params), version)
+  last_eval: dict[str, float] = {}
+  bar = progress_bar(cfg.num_versions, version, progress)
+
+  def run_state_now() -> dict:
+    ledger.dropped_log(buffer.take_drop_log())
+    return {"policy_version": version, "next_group_id": next_group,
+            "consumed_samples": consumed, "consumed_tokens": tokens_consumed,
+            "wall_s": timer.wall_s(), "buffer": buffer.get_state(),
+            **log_offsets(run_dir, ledger)}
+
+  def describe() -> str:
+    return f"sync at policy_version {version}, buffer {buffer.counts}"
+
+  boundary = None
+  watchdog = Watchdog(cfg.watchdog_timeout_s, startup_s=cfg.watchdog_startup_s,
+                      describe=describe)
+  try:
+    with watchdog:
+      while version < cfg.num_versions:
+        if version % cfg.eval_every_versions == 0:
+          with timer.excluded():
+            last_eval = evaluator(state.params, version)
+          writer.write({"policy_version": version, "learner_step": int(state.step),
+                        "samples": consumed, "time_s": timer.wall_s(), **last_eval})
+        # Where this version starts: a Ctrl-C before its first update checkpoints this point.
+        boundary = (parts.prompt_iterator.get_state(), next_group, state, run_state_now())
+        requests = []
+        for _ in range(cfg.groups_per_version):
+          buffer.acquire_group_slot(timeout=ADMISSION_TIMEOUT_S)
+          requests += make_group_requests(next(parts.prompt_iterator), next_group,
+                                          cfg.group_size, cfg.seed)
+          next_group += 1
+        with timer.busy("rollout"):
+          samples = batcher.run_to_completion(requests)
+        for sample in parts.rewards.score_all(samples):
+          buffer.put(sample, timeout=ADMISSION_TIMEOUT_S)
+        groups = take_ready(buffer, version)
+        if cfg.debug_checks:
+          gap = staleness_metrics(groups, version)["algo/version_gap_max"]
+          assert gap == 0, f"sync mode consumed a token with version gap {gap}"
+        accumulated: dict = {}
+        with timer.busy("learner"):
+          for local in range(cfg.trigger_parameter_sync_step):
+            # After drops a chunk may be short: it trains as it is (padded with empty rows).
+            chunk = groups[local * cfg.groups_per_update:(local + 1) * cfg.groups_per_update]
+            if not chunk:
+              break
+            state, metrics = learner_update(parts, state, chunk, window_params, version, local)
+            accumulated = sum_pairs(accumulated, jax.device_get(metrics))
+        consumed += sum(len(g) for g in groups)
+        tokens_consumed += sum(s.num_response_tokens for g in groups for s in g)
+        faults.point("sync.publish")
+        with timer.busy("sync"):
+          began = time.perf_counter()
+          window_params = copy_params(state.params) if cfg.needs_window_params else None
+          batcher.set_params(copy_params(state.params), version + 1)
+          jax.block_until_ready(batcher.params)
+          sync_latency = time.perf_counter() - began
+        version += 1
+        buffer.publish_version(version)
+        watchdog.progress()
+        ledger.consumed(version, groups)
+        record = version_record(parts, timer, version, state, groups, accumulated, consumed,
+                                tokens_consumed, {}, sync_latency)
+        record.update(buffer.metrics())
+        record.update(reward_metrics(parts.rewards))
+        writer.write(record)
+        bar.set_postfix(reward=f"{record['result/reward_mean']:.3f}",
+                        acc=f"{last_eval.get('eval/accuracy', float('nan')):.3f}")
+        bar.update(1)
+        if version % cfg.checkpoint_every_versions == 0 or version == cfg.num_versions:
+          with timer.excluded():
+            checkpointer.save(version, state, parts.prompt_iterator, run_state_now())
+          watchdog.progress()  # a checkpoint that finished is progress too
+      with timer.excluded():
+        last_eval = evaluator(state.params, version)
+      writer.write({"policy_version": version, "learner_step": int(state.step),
+                    "samples": consumed, "time_s": timer.wall_s(), **last_eval})
+  except KeyboardInterrupt:
+    # Nothing of this version was trained yet (the update donates the old state, so a
+    # deleted boundary state means an update ran): rewind the prompts and save the boundary.
+    if boundary is not None and not _deleted(boundary[2]):
+      parts.prompt_iterator.set_state(boundary[0])
+      next_group, state = boundary[1], boundary[2]
+      checkpointer.save(version, state, parts.prompt_iterator, boundary[3])
+      log(f"interrupted: checkpoint at policy_version {version} in {checkpointer.directory}")
+    raise
+  finally:
+    bar.close()
+    writer.close()
+    checkpointer.close()
+  ledger.dropped_log(buffer.take_drop_log())
+  buffer.check_invariants()
+  audit_figures = ledger_audit(ledger, cfg.group_size, next_group_id=next_group)
+  ledger.close()
+  parts.state = state
+  return {**timer.summary(), **last_eval, **buffer.metrics(), **reward_metrics(parts.rewards),
+          **audit_figures, "mode": cfg.mode, "policy_version": version,
+          "learner_step": int(state.step), "consumed_samples": consumed,
+          "system/samples_per_s": consumed / max(timer.wall_s(), 1e-9),
+          "rollout/next_group_id": next_group,
+          "run_dir": os.path.abspath(run_dir), "checkpoint_dir": checkpointer.directory}
+
+
+def _deleted(state) -> bool:
+  return any(x.is_deleted() for x in jax.tree.leaves(state.params))
