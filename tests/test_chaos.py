@@ -54,14 +54,17 @@ def test_kill_9_at_random_points_loses_and_duplicates_nothing(tmp_path, gin_file
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("gin_file, extra, kills, points, versions", [
-    ("gin/modes/sync.gin", (), 3, run_lives.SYNC_POINTS, 200),
-    ("gin/modes/async_partial.gin", TINY_TRIGGER2, 3, ALL_POINTS, 150),
+@pytest.mark.parametrize("gin_file, extra, kills, points, versions, samples_per_version", [
+    ("gin/modes/sync.gin", (), 3, run_lives.SYNC_POINTS, 200, 8),
+    ("gin/modes/async_partial.gin", TINY_TRIGGER2, 3, ALL_POINTS, 150, 16),
 ], ids=["sync", "async_partial-trigger2"])
 def test_kill_9_on_a_tiny_run_loses_and_duplicates_nothing(tmp_path, gin_file, extra, kills,
-                                                           points, versions):
-  """The other schedules on a tiny run (books only; the default budget's runs are soaks)."""
-  samples = versions * (16 if extra else 8)
+                                                           points, versions,
+                                                           samples_per_version):
+  """The other schedules on a tiny run (books only; the default budget's runs are soaks).
+  `samples_per_version`: the tiny run's with that schedule's trigger; a wrong one makes a run
+  of another length, which check_books refuses."""
+  samples = versions * samples_per_version
   report, history = _chaos(tmp_path, gin_file, TINY_BINDINGS + extra + (
       f"RunConfig.total_samples = {samples}",), kills, points, run_lives.TINY_KILL_HITS)
   run_lives.check_books(report, versions)
