@@ -23,9 +23,11 @@ import threading
 import time
 from typing import Any
 
-from jaxrl_async.runtime import ray_backend
+from jaxrl_async.runtime import ray_backend, ray_buffer, ray_weights
 from jaxrl_async.runtime.fleet import Fleet, keep_spans, warn_unscored
-from jaxrl_async.runtime.ray_backend import RayBufferClient, RayWeightChannel, require_ray
+from jaxrl_async.runtime.ray_backend import require_ray
+from jaxrl_async.runtime.ray_buffer import RayBufferClient
+from jaxrl_async.runtime.ray_weights import RayWeightChannel
 
 REISSUE_REASONS = ("actor_restarted", "server_unresponsive")
 RESTART_WAIT_S = 300.0  # how long the driver waits for Ray to bring a killed actor back
@@ -290,8 +292,8 @@ def run_ray(parts, run_dir, *, resume: bool, progress: bool, log=print) -> dict:
     ray.init(address=address, log_to_driver=False, **extra)
   cfg = parts.config
   learner_place = {"node_resource": cfg.ray_learner_resource}
-  buffer_actor = ray_backend.start_buffer_actor(buffer_kwargs(cfg), **learner_place)
-  store = ray_backend.start_weight_store(**learner_place)
+  buffer_actor = ray_buffer.start_buffer_actor(buffer_kwargs(cfg), **learner_place)
+  store = ray_weights.start_weight_store(**learner_place)
   channel = RayWeightChannel(store, parts.logical_axes)
   timer = RoleTimer()
   writer = make_writer(run_dir, timer, cfg.metric_sinks, log=log)

@@ -25,7 +25,7 @@ from launch import train
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 ray = pytest.importorskip("ray")
 
-from jaxrl_async.runtime import ray_backend  # noqa: E402
+from jaxrl_async.runtime import ray_backend, ray_buffer, ray_weights  # noqa: E402
 from tests.buffer.factory import make_group  # noqa: E402
 from tests.runtime import test_buffer_contract as contract  # noqa: E402
 from tests.runtime import test_processes_backend as processes_tests  # noqa: E402
@@ -71,9 +71,9 @@ def make_client(cluster):
   actors = []
 
   def make(**overrides):
-    actor = ray_backend.start_buffer_actor(buffer_kwargs(**overrides), node_resource="learner")
+    actor = ray_buffer.start_buffer_actor(buffer_kwargs(**overrides), node_resource="learner")
     actors.append(actor)
-    return ray_backend.RayBufferClient(actor, "test", margin_s=CALL_S)
+    return ray_buffer.RayBufferClient(actor, "test", margin_s=CALL_S)
 
   yield make
   for actor in actors:
@@ -110,7 +110,7 @@ class Probe:
 @ray.remote
 class Publisher:
   def __init__(self, store):
-    self.channel = ray_backend.RayWeightChannel(store)
+    self.channel = ray_weights.RayWeightChannel(store)
 
   def publish(self, version, scale):
     import jax.numpy as jnp
@@ -129,7 +129,7 @@ def test_roles_land_on_the_node_their_resource_names(cluster):
   rollout_node, rollout_pid = ray.get(rollout.where.remote(), timeout=CALL_S)
   assert learner_node == node_with("learner") and rollout_node == node_with("rollout")
   assert learner_node != rollout_node and learner_pid != rollout_pid
-  buffer = ray_backend.start_buffer_actor(buffer_kwargs(), node_resource="learner")
+  buffer = ray_buffer.start_buffer_actor(buffer_kwargs(), node_resource="learner")
   assert ray.get(buffer.node_id.remote(), timeout=CALL_S) == learner_node
   for actor in (learner, rollout, buffer):
     ray.kill(actor)
@@ -149,11 +149,11 @@ def test_role_options_reject_bad_settings():
 # ---- weights: published on the learner node, fetched on the rollout node ------------------------
 def test_weights_cross_nodes_through_the_object_store(cluster):
   del cluster
-  store = ray_backend.start_weight_store(node_resource="learner")
+  store = ray_weights.start_weight_store(node_resource="learner")
   publisher = Publisher.options(**ray_backend.role_options(node_resource="learner",
                                                            num_cpus=0)).remote(store)
   reader = Probe.options(**ray_backend.role_options(node_resource="rollout", num_cpus=0)).remote(
-      ray_backend.RayWeightChannel(store))
+      ray_weights.RayWeightChannel(store))
   started = time.monotonic()
   assert ray.get(reader.wait.remote(-1, 0.2), timeout=CALL_S) == -1  # nothing yet: times out
   assert time.monotonic() - started >= 0.2
@@ -187,7 +187,7 @@ class GroupWriter:
     if self.incarnation:
       taken = ray.get(buffer.revoke.remote("writer-0", 60.0), timeout=CALL_S)
       self.reissued = [(e["group_id"], e["missing"]) for e in taken["inflight"]]
-    self.client = ray_backend.RayBufferClient(buffer, f"writer-{int(self.incarnation)}",
+    self.client = ray_buffer.RayBufferClient(buffer, f"writer-{int(self.incarnation)}",
                                               margin_s=CALL_S)
 
   def pid(self):
@@ -215,10 +215,10 @@ class GroupWriter:
 def test_a_killed_rollout_actor_is_restarted_and_its_groups_reissued_once(cluster):
   del cluster
   group_size = 4
-  buffer = ray_backend.start_buffer_actor(
+  buffer = ray_buffer.start_buffer_actor(
       buffer_kwargs(group_size=group_size, groups_per_version=4, staleness_threshold=0.0),
       node_resource="learner")
-  learner = ray_backend.RayBufferClient(buffer, "learner", margin_s=CALL_S)
+  learner = ray_buffer.RayBufferClient(buffer, "learner", margin_s=CALL_S)
   writer = GroupWriter.options(**ray_backend.role_options(
       node_resource="rollout", num_cpus=0, max_restarts=1)).remote(buffer, group_size)
   assert ray.get(writer.start_groups.remote([0, 1, 2, 3]), timeout=CALL_S) == 4
@@ -248,7 +248,7 @@ def test_a_killed_rollout_actor_is_restarted_and_its_groups_reissued_once(cluste
   assert sum(counts["dropped"].values()) == 0 and counts["queued"] == 0
   # The dead incarnation's client is revoked: a late call from it would be refused.
   with pytest.raises(Exception, match="revoked"):
-    ray_backend.RayBufferClient(buffer, "writer-0", margin_s=CALL_S).publish_version(1)
+    ray_buffer.RayBufferClient(buffer, "writer-0", margin_s=CALL_S).publish_version(1)
   ray.get(buffer.check_invariants.remote(), timeout=CALL_S)
   for actor in (writer, buffer):
     ray.kill(actor)
