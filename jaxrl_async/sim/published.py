@@ -146,3 +146,38 @@ def verl_setup(gpus: int, *, fold: int | None = None, calibration_versions: int 
   if not math.isfinite(t0) or t0 <= 0:
     raise ValueError(f"calibration failed: t0={t0} (generation probe {probe})")
   return profile, configs
+
+
+def table_consistency(spec: dict | None = None) -> dict[str, dict]:
+  """What the published sync runs allow the async runs, before any modelling.
+
+  An async step cannot be shorter than its learner's update of that step's tokens. If a step
+  holds the same work in the sync and the async run (what any profile built from the sync run
+  assumes), the learner's time on the train split's `t` GPUs is bounded below by:
+  - `scaled_b0`: the sync run's update_actor time at its `g` GPUs (the learner loses nothing
+    with fewer GPUs: the most favourable case);
+  - `scaled_b`: the same times (g / t) ** b, with the profile's exponent b;
+  - `direct`: the update_actor time of the published sync run on `t` GPUs, where there is one.
+  Each bound gives a largest possible speedup (sync step / bound), set beside the published one.
+  `gpu_s_per_step` shows each stage's GPU-seconds per step: equal work per step would keep them
+  near each other across GPU counts."""
+  spec = spec or load_published(VERL)
+  runs = {int(k): v for k, v in spec["published"].items() if k.isdigit()}
+  b = spec["assumed"]["learner_gpu_scaling_exponent"]["value"]
+  out = {}
+  for gpus, run in sorted(runs.items()):
+    train = run["split"][1]
+    bounds = {"scaled_b0": run["sync_update_actor_s"],
+              "scaled_b": run["sync_update_actor_s"] * (gpus / train) ** b}
+    if train in runs:
+      bounds["direct"] = runs[train]["sync_update_actor_s"]
+    published = run["speedup_400_steps"]
+    largest = {name: run["sync_step_s"] / bound for name, bound in bounds.items()}
+    out[str(gpus)] = {
+        "train_gpus": train, "learner_bound_s": bounds, "largest_speedup": largest,
+        "published_speedup_400_steps": published,
+        "published_async_step_s": run["async_step_s"],
+        "published_exceeds": sorted(name for name, s in largest.items() if published > s),
+        "gpu_s_per_step": {stage: run[f"sync_{stage}_s"] * gpus
+                           for stage in ("gen", "old_log_prob", "update_actor")}}
+  return out

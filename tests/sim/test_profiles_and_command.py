@@ -79,6 +79,38 @@ def test_verl_profile_reproduces_the_published_sync_step():
   assert configs["async_partial_s0.5"].groups_per_version * profile.rollout.replicas == 32
 
 
+def _table(runs, b=0.0):
+  return {"assumed": {"learner_gpu_scaling_exponent": {"value": b}},
+          "published": {str(g): dict(zip(("split", "sync_step_s", "sync_gen_s",
+                                          "sync_old_log_prob_s", "sync_update_actor_s",
+                                          "async_step_s", "speedup_400_steps"), r))
+                        for g, r in runs.items()}}
+
+
+def test_table_consistency_bounds_each_speedup_by_its_learner():
+  # 64 GPUs (32 train): the 32-GPU run's update took 80 s, so the step is >= 80 s: <= 2.5x.
+  spec = _table({32: ([16, 16], 200.0, 100.0, 20.0, 80.0, 100.0, 2.0),
+                 64: ([32, 32], 200.0, 100.0, 20.0, 40.0, 66.7, 3.0)}, b=1.0)
+  table = published.table_consistency(spec)
+  assert table["64"]["learner_bound_s"] == pytest.approx(
+      {"scaled_b0": 40.0, "scaled_b": 80.0, "direct": 80.0})
+  assert table["64"]["largest_speedup"]["direct"] == pytest.approx(2.5)
+  assert table["64"]["published_exceeds"] == ["direct", "scaled_b"]
+  # 32 GPUs: 2.0x is within 200 / 80 (b = 0) but not within 200 / (80 * 2) (b = 1).
+  assert table["32"]["published_exceeds"] == ["scaled_b"]
+  assert "direct" not in table["32"]["learner_bound_s"]
+  assert table["64"]["gpu_s_per_step"]["update_actor"] == pytest.approx(40.0 * 64)
+
+
+def test_the_published_verl_table_exceeds_its_own_learner_bound_at_32_gpus():
+  """At 32 GPUs the published async step (294.77 s) is shorter than the sync run's update alone
+  (313.81 s on twice the GPUs): no profile with equal work per step can reach 2.66x."""
+  table = published.table_consistency()
+  assert table["32"]["largest_speedup"]["scaled_b0"] == pytest.approx(790.1 / 313.81)
+  assert "scaled_b0" in table["32"]["published_exceeds"]
+  assert all("scaled_b" in table[g]["published_exceeds"] for g in ("32", "64", "128"))
+
+
 def test_simulate_command_writes_real_run_metrics(tmp_path, capsys):
   path = tmp_path / "profile.json"
   path.write_text(json.dumps(PROFILE))
