@@ -17,15 +17,16 @@ from jaxrl_async.buffer.groups import decode_sample, encode_sample
 from jaxrl_async.checkpoint import RunCheckpointer
 from jaxrl_async.controller import (
   Parts,
-  copy_params,
-  learner_update,
+  async_version_record,
+  eval_record,
   ledger_audit,
   make_buffer,
   make_group_requests,
+  make_learner_role,
   progress_bar,
   reward_metrics,
   run_services,
-  version_record,
+  show_version,
 )
 from jaxrl_async.learner.learner import LearnerRole
 from jaxrl_async.ledger import LEDGER_FILE, SampleLedger, log_offsets, rewind_logs
@@ -128,8 +129,7 @@ def _run_async(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print
       with timer.excluded():
         last_eval.update(evaluator(learner_state.params, at_version))
       evaluated[0] = at_version
-      writer.write({"policy_version": at_version, "learner_step": int(learner_state.step),
-                    "samples": totals["consumed"], "time_s": timer.wall_s(), **last_eval})
+      writer.write(eval_record(at_version, learner_state, totals["consumed"], timer, last_eval))
     finally:
       rollouter.resume()
 
@@ -138,21 +138,12 @@ def _run_async(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print
     totals["consumed"] += sum(len(g) for g in groups)
     totals["tokens"] += sum(s.num_response_tokens for g in groups for s in g)
     ledger.consumed(at_version, groups)
-    sync = channel.metrics()
-    record = version_record(parts, timer, at_version, learner_state, groups, accumulated,
-                            totals["consumed"], totals["tokens"], {},
-                            sync["sync/latency_s"])
-    record.update(staleness)
-    record.update(buffer.metrics())
-    record.update(sync)
-    record.update({f"rollout/{k}": v for k, v in rollouter.counts.items()})
-    record.update(reward_metrics(parts.rewards))
-    record["learner/wait_s"] = learner.wait_s
+    record = async_version_record(
+        parts, timer, at_version, learner_state, groups, accumulated, staleness, totals, buffer,
+        channel, learner.wait_s, {**{f"rollout/{k}": v for k, v in rollouter.counts.items()},
+                                  **reward_metrics(parts.rewards)})
     writer.write(record)
-    bar.set_postfix(reward=f"{record['result/reward_mean']:.3f}",
-                    acc=f"{last_eval.get('eval/accuracy', float('nan')):.3f}",
-                    gap=f"{record['algo/version_gap_max']:.0f}")
-    bar.update(1)
+    show_version(bar, record, last_eval)
     if learner.stopping:  # Ctrl-C: the controller saves once both roles have stopped
       return
     if at_version % cfg.eval_every_versions == 0:
@@ -161,16 +152,8 @@ def _run_async(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print
       save_checkpoint(at_version, learner_state)
     watchdog.progress()  # an evaluation or a checkpoint that finished is progress too
 
-  learner = LearnerRole(
-      state=state, buffer=buffer, channel=channel, timer=timer,
-      update_fn=lambda st, groups, window, v, local: learner_update(parts, st, groups, window,
-                                                                    v, local),
-      copy_params=copy_params, groups_per_update=cfg.groups_per_update,
-      trigger_parameter_sync_step=cfg.trigger_parameter_sync_step,
-      num_versions=cfg.num_versions, start_version=version,
-      on_policy=cfg.staleness_threshold == 0, max_version_gap=cfg.max_version_gap,
-      needs_window_params=cfg.needs_window_params, on_version=on_version,
-      debug_checks=cfg.debug_checks, taken=taken)
+  learner = make_learner_role(parts, state, buffer, channel, timer, start_version=version,
+                              on_version=on_version, taken=taken)
 
   def stop_roles() -> None:
     learner.stop()
@@ -210,8 +193,7 @@ def _run_async(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print
     with timer.excluded():
       last_eval.update(evaluator(state.params, version))
     evaluated[0] = version
-    writer.write({"policy_version": version, "learner_step": int(state.step),
-                  "samples": totals["consumed"], "time_s": timer.wall_s(), **last_eval})
+    writer.write(eval_record(version, state, totals["consumed"], timer, last_eval))
   interrupted = False
   with watchdog:
     try:
@@ -233,8 +215,7 @@ def _run_async(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print
   if evaluated[0] != learner.version:  # the last version may have been evaluated already
     with timer.excluded():
       last_eval.update(evaluator(final_state.params, learner.version))
-    writer.write({"policy_version": learner.version, "learner_step": int(final_state.step),
-                  "samples": totals["consumed"], "time_s": timer.wall_s(), **last_eval})
+    writer.write(eval_record(learner.version, final_state, totals["consumed"], timer, last_eval))
   queued = buffer.discard_queued("shutdown")
   if not rollouter.wait_rewards(JOIN_TIMEOUT_S):
     log(f"warning: samples still in the reward pool after {JOIN_TIMEOUT_S} s")

@@ -315,6 +315,55 @@ def take_ready(buffer: VersionedBuffer, version: int) -> list[list[Sample]]:
   return sorted(groups, key=lambda group: group[0].group_id)
 
 
+def eval_record(version: int, state, consumed: int, timer, evaluation: dict) -> dict:
+  """The metrics record of a held-out evaluation of `state` at `version`."""
+  return {"policy_version": version, "learner_step": int(state.step), "samples": consumed,
+          "time_s": timer.wall_s(), **evaluation}
+
+
+def make_learner_role(parts: Parts, state, buffer, channel, timer, *, start_version: int,
+                      on_version, taken=None):
+  """The learner role of the async loops (threads, processes, Ray), as the config asks."""
+  from jaxrl_async.learner.learner import LearnerRole
+  cfg = parts.config
+  return LearnerRole(
+      state=state, buffer=buffer, channel=channel, timer=timer,
+      update_fn=lambda st, groups, window, v, local: learner_update(parts, st, groups, window,
+                                                                    v, local),
+      copy_params=copy_params, groups_per_update=cfg.groups_per_update,
+      trigger_parameter_sync_step=cfg.trigger_parameter_sync_step,
+      num_versions=cfg.num_versions, start_version=start_version,
+      on_policy=cfg.staleness_threshold == 0, max_version_gap=cfg.max_version_gap,
+      needs_window_params=cfg.needs_window_params, on_version=on_version,
+      debug_checks=cfg.debug_checks, taken=taken)
+
+
+def async_version_record(parts: Parts, timer, version: int, state, groups, accumulated,
+                         staleness: dict, totals: dict, buffer, channel, learner_wait_s: float,
+                         rollout: dict) -> dict:
+  """One version's metrics record in an async loop: `version_record`, the staleness of the
+  groups, the buffer's and the weight channel's figures, and the rollout side's `rollout`."""
+  sync = channel.metrics()
+  record = version_record(parts, timer, version, state, groups, accumulated, totals["consumed"],
+                          totals["tokens"], {}, sync["sync/latency_s"])
+  record.update(staleness)
+  record.update(buffer.metrics())
+  record.update(sync)
+  record.update(rollout)
+  record["learner/wait_s"] = learner_wait_s
+  return record
+
+
+def show_version(bar, record: dict, evaluation: dict, *, gap: bool = True) -> None:
+  """One version on the progress bar: its reward, the last accuracy (and the largest gap)."""
+  postfix = {"reward": f"{record['result/reward_mean']:.3f}",
+             "acc": f"{evaluation.get('eval/accuracy', float('nan')):.3f}"}
+  if gap:
+    postfix["gap"] = f"{record['algo/version_gap_max']:.0f}"
+  bar.set_postfix(**postfix)
+  bar.update(1)
+
+
 def version_record(parts, timer, version, state, groups, accumulated, consumed, tokens,
                    dropped, sync_latency) -> dict:
   rewards = [s.reward for g in groups for s in g]

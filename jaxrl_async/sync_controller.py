@@ -18,6 +18,7 @@ from jaxrl_async.controller import (
   ADMISSION_TIMEOUT_S,
   Parts,
   copy_params,
+  eval_record,
   learner_update,
   ledger_audit,
   make_buffer,
@@ -25,6 +26,7 @@ from jaxrl_async.controller import (
   progress_bar,
   reward_metrics,
   run_services,
+  show_version,
   take_ready,
   version_record,
 )
@@ -78,8 +80,7 @@ def run_sync(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print):
         if version % cfg.eval_every_versions == 0:
           with timer.excluded():
             last_eval = evaluator(state.params, version)
-          writer.write({"policy_version": version, "learner_step": int(state.step),
-                        "samples": consumed, "time_s": timer.wall_s(), **last_eval})
+          writer.write(eval_record(version, state, consumed, timer, last_eval))
         # Where this version starts: a Ctrl-C before its first update checkpoints this point.
         boundary = (parts.prompt_iterator.get_state(), next_group, state, run_state_now())
         requests = []
@@ -123,17 +124,14 @@ def run_sync(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print):
         record.update(buffer.metrics())
         record.update(reward_metrics(parts.rewards))
         writer.write(record)
-        bar.set_postfix(reward=f"{record['result/reward_mean']:.3f}",
-                        acc=f"{last_eval.get('eval/accuracy', float('nan')):.3f}")
-        bar.update(1)
+        show_version(bar, record, last_eval, gap=False)
         if version % cfg.checkpoint_every_versions == 0 or version == cfg.num_versions:
           with timer.excluded():
             checkpointer.save(version, state, parts.prompt_iterator, run_state_now())
           watchdog.progress()  # a checkpoint that finished is progress too
       with timer.excluded():
         last_eval = evaluator(state.params, version)
-      writer.write({"policy_version": version, "learner_step": int(state.step),
-                    "samples": consumed, "time_s": timer.wall_s(), **last_eval})
+      writer.write(eval_record(version, state, consumed, timer, last_eval))
   except KeyboardInterrupt:
     # Nothing of this version was trained yet (the update donates the old state, so a
     # deleted boundary state means an update ran): rewind the prompts and save the boundary.

@@ -20,14 +20,14 @@ from jaxrl_async.buffer import VersionedBuffer
 from jaxrl_async.checkpoint import RunCheckpointer
 from jaxrl_async.controller import (
   Evaluator,
+  async_version_record,
   buffer_for,
-  copy_params,
-  learner_update,
+  eval_record,
   ledger_audit,
+  make_learner_role,
   progress_bar,
-  version_record,
+  show_version,
 )
-from jaxrl_async.learner.learner import LearnerRole
 from jaxrl_async.ledger import LEDGER_FILE, SampleLedger, log_offsets, rewind_logs
 from jaxrl_async.metrics import RoleTimer
 from jaxrl_async.runtime import child
@@ -175,8 +175,7 @@ def _run(parts, run_dir, resume, progress, log, timer, writer, checkpointer, eva
         last_eval.update(evaluator(learner_state.params, at_version))
       finally:
         fleet.resume()
-    writer.write({"policy_version": at_version, "learner_step": int(learner_state.step),
-                  "samples": totals["consumed"], "time_s": timer.wall_s(), **last_eval})
+    writer.write(eval_record(at_version, learner_state, totals["consumed"], timer, last_eval))
 
   consumed_groups: list[list[int]] = []  # [group id, prompt id] of every consumed group
 
@@ -186,21 +185,12 @@ def _run(parts, run_dir, resume, progress, log, timer, writer, checkpointer, eva
     ledger.consumed(at_version, groups)
     totals["consumed"] += sum(len(g) for g in groups)
     totals["tokens"] += sum(s.num_response_tokens for g in groups for s in g)
-    sync = channel.metrics()
-    record = version_record(parts, timer, at_version, learner_state, groups, accumulated,
-                            totals["consumed"], totals["tokens"], {}, sync["sync/latency_s"])
-    record.update(staleness)
-    record.update(buffer.metrics())
-    record.update(sync)
-    record.update(fleet.rollout_counts())
-    record.update(fleet.server_timers())
-    record.update(fleet.counts)
-    record["learner/wait_s"] = learner.wait_s
+    record = async_version_record(
+        parts, timer, at_version, learner_state, groups, accumulated, staleness, totals, buffer,
+        channel, learner.wait_s,
+        {**fleet.rollout_counts(), **fleet.server_timers(), **fleet.counts})
     writer.write(record)
-    bar.set_postfix(reward=f"{record['result/reward_mean']:.3f}",
-                    acc=f"{last_eval.get('eval/accuracy', float('nan')):.3f}",
-                    gap=f"{record['algo/version_gap_max']:.0f}")
-    bar.update(1)
+    show_version(bar, record, last_eval)
     if learner.stopping:
       return
     if at_version % cfg.eval_every_versions == 0:
@@ -209,16 +199,8 @@ def _run(parts, run_dir, resume, progress, log, timer, writer, checkpointer, eva
       save_checkpoint(at_version, learner_state, learner.taken)
     watchdog.progress()  # an evaluation or a checkpoint that finished is progress too
 
-  learner = LearnerRole(
-      state=state, buffer=buffer, channel=channel, timer=timer,
-      update_fn=lambda st, groups, window, v, local: learner_update(parts, st, groups, window,
-                                                                    v, local),
-      copy_params=copy_params, groups_per_update=cfg.groups_per_update,
-      trigger_parameter_sync_step=cfg.trigger_parameter_sync_step,
-      num_versions=cfg.num_versions, start_version=version,
-      on_policy=cfg.staleness_threshold == 0, max_version_gap=cfg.max_version_gap,
-      needs_window_params=cfg.needs_window_params, on_version=on_version,
-      debug_checks=cfg.debug_checks, taken=taken)
+  learner = make_learner_role(parts, state, buffer, channel, timer, start_version=version,
+                              on_version=on_version, taken=taken)
 
   def rescue() -> None:  # the watchdog's: stop the learner, then save if it stopped
     learner.stop()
@@ -247,8 +229,7 @@ def _run(parts, run_dir, resume, progress, log, timer, writer, checkpointer, eva
 
   with timer.excluded():
     last_eval.update(evaluator(state.params, version))
-  writer.write({"policy_version": version, "learner_step": int(state.step),
-                "samples": totals["consumed"], "time_s": timer.wall_s(), **last_eval})
+  writer.write(eval_record(version, state, totals["consumed"], timer, last_eval))
   with watchdog:
     with timer.excluded():  # starting processes is not training time
       fleet.start(restores)
@@ -277,8 +258,7 @@ def _run(parts, run_dir, resume, progress, log, timer, writer, checkpointer, eva
   timer.add_spans(fleet.take_spans())
   with timer.excluded():
     last_eval.update(evaluator(final_state.params, learner.version))
-  writer.write({"policy_version": learner.version, "learner_step": int(final_state.step),
-                "samples": totals["consumed"], "time_s": timer.wall_s(), **last_eval})
+  writer.write(eval_record(learner.version, final_state, totals["consumed"], timer, last_eval))
   queued = buffer.discard_queued("shutdown")
   ledger.dropped_log(buffer.take_drop_log() + fleet.drop_log())
   buffer.check_invariants()
