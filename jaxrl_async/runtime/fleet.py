@@ -21,7 +21,7 @@ from typing import Any
 
 from jaxrl_async.runtime import wire
 from jaxrl_async.runtime.buffer_service import BufferService, RemoteBufferClient
-from jaxrl_async.runtime.rollout_server import RolloutProcess, strip_admission
+from jaxrl_async.runtime.rollout_server import RolloutProcess, first_start
 
 REISSUE_REASONS = ("server_died", "server_unresponsive")
 REVOKE_TIMEOUT_S = 120.0
@@ -94,12 +94,7 @@ class Fleet:
   def start(self, restores: list[dict | None]) -> None:
     """Starts every server (restores[k]: a checkpoint's snapshot of server k, or None)."""
     for index, restore in enumerate(restores):
-      restore = dict(restore or {})
-      rollout = dict(restore.get("rollout") or {})
-      rollout["inflight"] = strip_admission(rollout.get("inflight", []))
-      restore["rollout"] = rollout
-      self._initial[index] = {"prompts": restore.get("prompts"),
-                              "next_group_id": rollout.get("next_group_id", index)}
+      restore, self._initial[index] = first_start(restore, index)
       self._spawn(index, restore)
 
   def _spawn(self, index: int, restore: dict) -> None:

@@ -51,7 +51,7 @@ class BufferActorImpl:
     """A client id for rollout server `index` and what it starts from: `restore` (a
     checkpoint's snapshot, or None) on its first start; after a restart, the groups its
     predecessor left unfinished (revoked from the dead client, counted) and its prompt shard."""
-    from jaxrl_async.runtime.rollout_server import strip_admission
+    from jaxrl_async.runtime.rollout_server import first_start
 
     with self._claims:
       self._generation[index] = self._generation.get(index, 0) + 1
@@ -73,12 +73,7 @@ class BufferActorImpl:
                    "prompts": (orphan["prompt_state"] if orphan["prompt_state"] is not None
                                else initial["prompts"])}
       else:
-        restore = dict(restore or {})
-        rollout = dict(restore.get("rollout") or {})
-        rollout["inflight"] = strip_admission(rollout.get("inflight", []))
-        restore["rollout"] = rollout
-        self._initial[index] = {"prompts": restore.get("prompts"),
-                                "next_group_id": rollout.get("next_group_id", index)}
+        restore, self._initial[index] = first_start(restore, index)
       rollout = restore["rollout"]
       holding = [entry for entry in rollout.get("inflight", [])
                  if entry.get("admitted") or entry["missing"] != list(range(self.group_size))]

@@ -30,6 +30,18 @@ def strip_admission(entries: list[dict]) -> list[dict]:
           for entry in entries]
 
 
+def first_start(restore: dict | None, index: int) -> tuple[dict, dict]:
+  """(what server `index` starts from, where its shard started) on its first start: a
+  checkpoint's snapshot without its admissions, or a fresh start (`restore=None`). The second
+  is what a replacement of the server resumes from when its predecessor left no position."""
+  restore = dict(restore or {})
+  rollout = dict(restore.get("rollout") or {})
+  rollout["inflight"] = strip_admission(rollout.get("inflight", []))
+  restore["rollout"] = rollout
+  return restore, {"prompts": restore.get("prompts"),
+                   "next_group_id": rollout.get("next_group_id", index)}
+
+
 class RolloutServer(RolloutControl):
   """One rollout server in this process; `restore` = {'rollout': ..., 'prompts': ...} from a
   snapshot (a checkpoint: admissions are re-acquired) or from the buffer service after a

@@ -13,7 +13,7 @@ from jaxrl_async.model import init_model, split_model
 from jaxrl_async.runtime import LocalBufferClient, assembly, child
 from jaxrl_async.runtime.buffer_service import BufferService, RemoteBufferClient
 from jaxrl_async.runtime.processes import make_buffer
-from jaxrl_async.runtime.rollout_server import RolloutProcess, RolloutServer
+from jaxrl_async.runtime.rollout_server import RolloutProcess, RolloutServer, first_start
 from jaxrl_async.runtime.shm_channel import SharedMemoryWeightChannel
 from jaxrl_async.tasks.reverse import DigitReverseTask
 
@@ -85,3 +85,18 @@ def test_the_rollout_control_contract(setup):
   final = server.stop(60.0)
   assert final["alive"] is False
   assert final["counts"]["groups_started"] >= health["counts"]["groups_started"]
+
+
+def test_a_first_start_drops_held_admissions_and_records_where_the_shard_began():
+  snapshot = {"rollout": {"next_group_id": 9, "inflight": [
+      {"group_id": 5, "missing": [0, 1], "admitted": True}, {"group_id": 7, "missing": [3]}]},
+              "prompts": b"shard"}
+  restore, initial = first_start(snapshot, index=1)
+  assert restore["rollout"]["inflight"] == [{"group_id": 5, "missing": [0, 1]},
+                                            {"group_id": 7, "missing": [3]}]
+  assert initial == {"prompts": b"shard", "next_group_id": 9}
+  assert snapshot["rollout"]["inflight"][0]["admitted"]  # the caller's snapshot is untouched
+  fresh, initial = first_start(None, index=3)  # server 3 of a fresh run starts at group id 3
+  assert fresh == {"rollout": {"inflight": []}} and initial == {"prompts": None,
+                                                                 "next_group_id": 3}
+
