@@ -222,7 +222,8 @@ def main(argv=None) -> int:
                       help="bindings on top of the default run's gin file")
   args = parser.parse_args(argv)
   record = {"benchmark": "concurrency_ceiling", "cpu_count": os.cpu_count(),
-            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "gin_bindings": list(args.gin_bindings)}
   print("python processes ...", file=sys.stderr, flush=True)
   record["python_processes"] = _two_processes("python", None)
   print("xla processes ...", file=sys.stderr, flush=True)

@@ -45,24 +45,28 @@ from jaxrl_async.sim.command import mode_configs
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
+def newest_ceiling() -> tuple[dict | None, str]:
+  """The newest concurrency_ceiling result of the default run (by its timestamp; a result
+  measured with gin bindings, e.g. the small model's, is of another run and is skipped)."""
+  best, name = None, "no concurrency_ceiling result of the default run"
+  for path in glob.glob(os.path.join(RESULTS, "concurrency_ceiling-*.json")):
+    with open(path, encoding="utf-8") as f:
+      record = json.loads(f.readline())
+    if "-small-" in os.path.basename(path) or record.get("gin_bindings"):
+      continue
+    if best is None or record["timestamp"] > best["timestamp"]:
+      best, name = record, os.path.basename(path)
+  return best, name
+
+
 def default_contention(backend: str) -> tuple[float, str]:
   """Threads: the role loops in threads; processes: two XLA processes at once."""
-  files = sorted(glob.glob(os.path.join(RESULTS, "concurrency_ceiling-*.json")))
-  if not files:
-    return 0.0, "no concurrency_ceiling result: contention 0"
+  ceiling, name = newest_ceiling()
+  if ceiling is None:
+    return 0.0, f"{name}: contention 0"
   key = "roles" if backend == "threads" else "xla_processes"
-  with open(files[-1], encoding="utf-8") as f:
-    speedup = json.loads(f.readline())[key]["speedup"]
-  return (max(0.0, 2.0 / speedup - 1.0),
-          f"{os.path.basename(files[-1])}: {key} speedup {speedup:.3f}")
-
-
-def newest_ceiling() -> tuple[dict | None, str]:
-  files = sorted(glob.glob(os.path.join(RESULTS, "concurrency_ceiling-*.json")))
-  if not files:
-    return None, "no concurrency_ceiling result"
-  with open(files[-1], encoding="utf-8") as f:
-    return json.loads(f.readline()), os.path.basename(files[-1])
+  speedup = ceiling[key]["speedup"]
+  return max(0.0, 2.0 / speedup - 1.0), f"{name}: {key} speedup {speedup:.3f}"
 
 
 def processes_layout(profile, ceiling: dict):
