@@ -10,6 +10,8 @@ them one after the other. Measured side by side in one invocation:
 - `roles`: the default run's learner update loop and rollout loop (generation + reward) on
   their own, then both at once in two threads: the ceiling of async samples/s over sync
   samples/s for this workload (threads backend), before any pipeline coupling between the roles;
+  also the learner on half batches, and from it `learner_fixed_fraction`, the share of an
+  update's time that does not grow with its tokens (the simulator's per-update cost);
 - `roles_processes`: the same two loops in two processes laid out as the processes backend
   lays out a run (the rollout process pinned to its cores, one XLA thread per core): each
   alone, then both at once; `speedup_over_one_process` is the processes backend's ceiling
@@ -105,7 +107,8 @@ def _two_threads(fn) -> dict:
 
 def _role_loops(bindings=()):
   """The default run's learner update loop and rollout loop (generation + reward), compiled:
-  (learn(n), roll(n), close())."""
+  (learn(n, marks=None, half=False), roll(n, marks=None), close()); `marks` gets each batch's
+  end time; `half` updates on the first half of each batch's groups."""
   import jax
 
   import gin
@@ -132,15 +135,20 @@ def _role_loops(bindings=()):
   data = [rollout_batch() for _ in range(16)]
   state = [parts.state]
 
-  def learn(n):
+  def learn(n, marks=None, half=False):
     for i in range(n):
-      state[0], metrics = controller.learner_update(parts, state[0], data[i % len(data)], None,
-                                                    0, 0)
+      groups = data[i % len(data)]
+      groups = groups[:max(1, len(groups) // 2)] if half else groups
+      state[0], metrics = controller.learner_update(parts, state[0], groups, None, 0, 0)
       jax.device_get(metrics)
+      if marks is not None:
+        marks.append(time.time())
 
-  def roll(n):
+  def roll(n, marks=None):
     for _ in range(n):
       rollout_batch()
+      if marks is not None:
+        marks.append(time.time())
 
   learn(3 * len(data))  # every packed shape of the data compiled
   roll(4)
@@ -153,6 +161,8 @@ def _roles(batches: int, bindings=()) -> dict:
   learn, roll, close = _role_loops(bindings)
   roll(batches // 4)
   learner_s = _in_threads(lambda: learn(batches))
+  learn(48, half=True)  # the half batches' shapes compiled
+  half_s = _in_threads(lambda: learn(batches, half=True))
   rollout_s = _in_threads(lambda: roll(batches))
   previous = sys.getswitchinterval()
   sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # as in async runs
@@ -160,9 +170,17 @@ def _roles(batches: int, bindings=()) -> dict:
   sys.setswitchinterval(previous)
   close()
   return {"batches": batches, "learner_ms_per_batch": 1e3 * learner_s / batches,
+          "learner_half_ms_per_batch": 1e3 * half_s / batches,
+          "learner_fixed_fraction": fixed_fraction(learner_s, half_s),
           "rollout_ms_per_batch": 1e3 * rollout_s / batches,
           "both_in_threads_ms_per_batch": 1e3 * both_s / batches,
           "speedup": (learner_s + rollout_s) / both_s}
+
+
+def fixed_fraction(full_s: float, half_s: float) -> float:
+  """The share of an update's time that does not grow with its tokens, from updates on whole
+  and on half batches (t = a + b T: a = 2 t(T / 2) - t(T)), clipped to [0, 0.95]."""
+  return min(max((2.0 * half_s - full_s) / full_s, 0.0), 0.95)
 
 
 def role_process(role: str, batches: int, bindings, barrier, results) -> None:
@@ -170,10 +188,21 @@ def role_process(role: str, batches: int, bindings, barrier, results) -> None:
   learn, roll, close = _role_loops(bindings)
   loop = learn if role == "learner" else roll
   barrier.wait()
-  began = time.time()
-  loop(batches)
-  results[role] = (began, time.time())
+  began, marks = time.time(), []
+  loop(batches, marks)
+  results[role] = (began, time.time(), marks)
   close()
+
+
+def beside_ms_per_batch(times: dict, role: str) -> tuple[float | None, int]:
+  """Mean ms of `role`'s batches that began and ended while every role was running (their
+  loops overlap in [latest start, earliest end]), and how many there were."""
+  start = max(began for began, _, _ in times.values())
+  end = min(ended for _, ended, _ in times.values())
+  began, _, marks = times[role]
+  durations = [b - a for a, b in zip([began, *marks[:-1]], marks, strict=True)
+               if a >= start and b <= end]
+  return ((1e3 * sum(durations) / len(durations) if durations else None), len(durations))
 
 
 def _roles_processes(batches: int, bindings, one_process: dict) -> dict:
@@ -182,7 +211,9 @@ def _roles_processes(batches: int, bindings, one_process: dict) -> dict:
   to its share of the cores with one XLA thread per core (runtime/child.py). Each alone, then
   both at once. `speedup_over_one_process`: the two loops one after the other in one process
   on every core (how sync runs them, from `roles`) over both at once here: the ceiling of the
-  processes backend's async samples/s over sync's, before any coupling between the roles."""
+  processes backend's async samples/s over sync's, before any coupling between the roles.
+  `<role>_beside_ms_per_batch`: each role's batches while the other ran (how much each slows
+  the other; the layout is uneven, so they need not slow alike)."""
   from jaxrl_async.runtime import child
   _, (server_cores,) = child.core_shares(1)
   context = mp.get_context("spawn")
@@ -201,8 +232,9 @@ def _roles_processes(batches: int, bindings, one_process: dict) -> dict:
         if child.reap(process) != 0:
           raise RuntimeError(f"{process.name} failed (exit code {process.exitcode})")
       times = dict(results)
-      spans[roles] = (max(end for _, end in times.values())
-                      - min(start for start, _ in times.values()))
+      spans[roles] = (max(end for _, end, _ in times.values())
+                      - min(start for start, _, _ in times.values()))
+  beside = {role: beside_ms_per_batch(times, role) for role in ("learner", "rollout")}
   both = spans[("learner", "rollout")]
   in_one = (one_process["learner_ms_per_batch"] + one_process["rollout_ms_per_batch"]) * (
       batches / 1e3)
@@ -210,6 +242,10 @@ def _roles_processes(batches: int, bindings, one_process: dict) -> dict:
           "learner_ms_per_batch": 1e3 * spans[("learner",)] / batches,
           "rollout_pinned_ms_per_batch": 1e3 * spans[("rollout",)] / batches,
           "both_ms_per_batch": 1e3 * both / batches,
+          "learner_beside_ms_per_batch": beside["learner"][0],
+          "learner_beside_batches": beside["learner"][1],
+          "rollout_beside_ms_per_batch": beside["rollout"][0],
+          "rollout_beside_batches": beside["rollout"][1],
           "speedup_over_one_process": in_one / both}
 
 

@@ -21,8 +21,16 @@ comes from: the rollout server on its own core with one XLA thread, the learner 
 `--layout measured` (the default there) takes that from the same concurrency_ceiling result's
 `roles_processes` figures, measured on the default run's role loops: rollout decode steps
 scaled by rollout_pinned / rollout in one process, learner costs by learner alone / learner in
-one process, and c from how much the rollout loop slows while the learner runs beside it
-(both at once / rollout pinned alone - 1). `--layout none` keeps the sync run's speeds.
+one process, and a contention for each role from how much its loop slows while the other
+runs beside it (rollout: its batches beside the learner / rollout pinned alone - 1; learner:
+its batches beside the rollout / learner alone - 1); a result without the per-role figures
+gives one c for both (both at once / rollout pinned alone - 1). `--layout none` keeps the
+sync run's speeds.
+
+The sync run's updates all have one size, so its fit cannot tell the learner's cost per update
+from its cost per token (stream_off_policy's updates are half as big). The same result's
+`roles.learner_fixed_fraction` (the learner loop on whole and on half batches) splits them, or
+`--learner_fixed_fraction`.
 """
 
 from __future__ import annotations
@@ -76,7 +84,15 @@ def processes_layout(profile, ceiling: dict):
   one, layout = ceiling["roles"], ceiling["roles_processes"]
   rollout_scale = layout["rollout_pinned_ms_per_batch"] / one["rollout_ms_per_batch"]
   learner_scale = layout["learner_ms_per_batch"] / one["learner_ms_per_batch"]
-  contention = max(0.0, layout["both_ms_per_batch"] / layout["rollout_pinned_ms_per_batch"] - 1)
+  if layout.get("rollout_beside_ms_per_batch") and layout.get("learner_beside_ms_per_batch"):
+    contention = max(0.0, layout["rollout_beside_ms_per_batch"]
+                     / layout["rollout_pinned_ms_per_batch"] - 1)
+    learner_contention = max(0.0, layout["learner_beside_ms_per_batch"]
+                             / layout["learner_ms_per_batch"] - 1)
+  else:
+    contention = max(0.0,
+                     layout["both_ms_per_batch"] / layout["rollout_pinned_ms_per_batch"] - 1)
+    learner_contention = None
   rollout = dataclasses.replace(
       profile.rollout,
       decode_curve=tuple((n, seconds * rollout_scale) for n, seconds in profile.rollout.decode_curve),
@@ -85,9 +101,9 @@ def processes_layout(profile, ceiling: dict):
                                 per_update_s=profile.learner.per_update_s * learner_scale,
                                 s_per_token=profile.learner.s_per_token * learner_scale)
   factors = {"rollout_scale": rollout_scale, "learner_scale": learner_scale,
-             "contention": contention}
-  return dataclasses.replace(profile, rollout=rollout, learner=learner,
-                             contention=contention), factors
+             "contention": contention, "learner_contention": learner_contention}
+  return dataclasses.replace(profile, rollout=rollout, learner=learner, contention=contention,
+                             learner_contention=learner_contention), factors
 
 
 def main(argv=None) -> int:
@@ -105,6 +121,9 @@ def main(argv=None) -> int:
                       help="processes backend: move the sync profile to the servers' layout "
                            "by concurrency_ceiling's roles_processes figures (default "
                            "'measured' on processes without --contention, else 'none')")
+  parser.add_argument("--learner_fixed_fraction", type=float, default=None,
+                      help="share of an update's time fixed per update (default: the newest "
+                           "concurrency_ceiling result's roles.learner_fixed_fraction, if any)")
   parser.add_argument("--gin_bindings", action="append", default=[])
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
@@ -133,13 +152,23 @@ def main(argv=None) -> int:
   if os.path.isfile(load_path):
     with open(load_path, encoding="utf-8") as f:
       runs_load = json.load(f)
+  measured_idle = {}
   for mode in modes:
     with open(os.path.join(args.work_dir, mode, "summary.json"), encoding="utf-8") as f:
-      measured[mode] = json.load(f)["system/samples_per_s"]
+      run_summary = json.load(f)
+    measured[mode] = run_summary["system/samples_per_s"]
+    measured_idle[mode] = {role: run_summary.get(f"{role}/idle_ratio")
+                           for role in ("rollout", "learner")}
   contention, contention_source = ((args.contention, "--contention")
                                    if args.contention is not None
                                    else default_contention(args.backend))
-  profile = fit.profile_from_run(os.path.join(args.work_dir, "sync"), seed=args.seed)
+  fixed_fraction, fixed_source = args.learner_fixed_fraction, "--learner_fixed_fraction"
+  if fixed_fraction is None:
+    ceiling, source = newest_ceiling()
+    fixed_fraction = (ceiling or {}).get("roles", {}).get("learner_fixed_fraction")
+    fixed_source = f"{source}: roles" if fixed_fraction is not None else "not measured"
+  profile = fit.profile_from_run(os.path.join(args.work_dir, "sync"), seed=args.seed,
+                                 learner_fixed_fraction=fixed_fraction)
   layout = args.layout or ("measured" if args.backend == "processes" and args.contention is None
                            else "none")
   async_profile = dataclasses.replace(profile, contention=contention)
@@ -167,7 +196,9 @@ def main(argv=None) -> int:
                    "measured_vs_sync": measured[mode] / measured["sync"],
                    "predicted_vs_sync": predicted / table.get("sync", {}).get(
                        "predicted_samples_per_s", predicted),
+                   "measured_rollout_idle_ratio": measured_idle[mode]["rollout"],
                    "predicted_rollout_idle_ratio": summary["rollout/idle_ratio"],
+                   "measured_learner_idle_ratio": measured_idle[mode]["learner"],
                    "predicted_learner_idle_ratio": summary["learner/idle_ratio"],
                    "predicted_stale_ratio": summary["algo/stale_ratio"],
                    "predicted_version_gap_max": summary["algo/version_gap_max"]}
@@ -178,6 +209,8 @@ def main(argv=None) -> int:
           "runs_load_average": runs_load,
           "contention": contention, "contention_source": contention_source,
           "layout": layout, "layout_factors": layout_factors,
+          "learner_fixed_fraction": fixed_fraction,
+          "learner_fixed_fraction_source": fixed_source,
           "profile": profile.to_dict(), "modes": table}
   if args.out:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -4,7 +4,9 @@ Nothing here waits on real time. `Clock.run` pops events in time order (ties in 
 were scheduled) and calls them; a callback schedules further events. A `Device` runs one piece
 of work at a time and counts its busy seconds per role; devices on one `Host` with contention
 c > 0 slow each other down (k busy at once: each at speed 1 / (1 + c (k - 1))), which is how
-threads of one process share a CPU.
+threads of one process share a CPU. A device may have its own c (`Host(c, {name: c'})`): roles
+laid out unevenly on the cores (one process pinned to a core, another on every core) do not
+slow each other down alike.
 """
 
 from __future__ import annotations
@@ -50,28 +52,45 @@ class Clock:
 
 
 class Host:
-  """Devices that share a host; contention 0 means they do not slow each other down."""
+  """Devices that share a host; contention 0 means they do not slow each other down.
 
-  __slots__ = ("active", "contention")
+  `by_device` maps a device's name to its own contention (how much each other busy device
+  slows it), in place of `contention`."""
 
-  def __init__(self, contention: float = 0.0):
+  __slots__ = ("active", "by_device", "contention")
+
+  def __init__(self, contention: float = 0.0, by_device: dict[str, float] | None = None):
     self.contention = float(contention)
+    self.by_device = {name: float(c) for name, c in (by_device or {}).items()}
+    for name, c in [("contention", self.contention), *self.by_device.items()]:
+      if not c >= 0.0:
+        raise ValueError(f"contention of {name} must be >= 0, got {c}")
     self.active: list[Device] = []
 
-  def speed(self, busy: int) -> float:
-    return 1.0 / (1.0 + self.contention * max(busy - 1, 0))
+  @property
+  def shared(self) -> bool:
+    """Whether any device on this host slows down while another computes."""
+    return self.contention > 0 or any(c > 0 for c in self.by_device.values())
+
+  def contention_of(self, name: str) -> float:
+    return self.by_device.get(name, self.contention)
+
+  def speed(self, busy: int, contention: float | None = None) -> float:
+    c = self.contention if contention is None else contention
+    return 1.0 / (1.0 + c * max(busy - 1, 0))
 
 
 class Device:
   """Runs one piece of work at a time; `busy_s[role]` sums the wall seconds spent on it."""
 
-  __slots__ = ("_done", "_event", "_host", "_last", "_left", "_role", "_since", "_speed",
-               "_total", "busy_s", "clock", "name")
+  __slots__ = ("_contention", "_done", "_event", "_host", "_last", "_left", "_role", "_since",
+               "_speed", "_total", "busy_s", "clock", "name")
 
   def __init__(self, clock: Clock, name: str, host: Host | None = None):
     self.clock = clock
     self.name = name
-    self._host = host if host is not None and host.contention > 0 else None
+    self._host = host if host is not None and host.shared else None
+    self._contention = host.contention_of(name) if self._host is not None else 0.0
     self.busy_s: dict[str, float] = {}
     self._event = None
     self._done = None
@@ -123,8 +142,9 @@ class Device:
     self._last = now
 
   def _retime_host(self) -> None:
-    speed = self._host.speed(len(self._host.active))
+    busy = len(self._host.active)
     for device in self._host.active:
+      speed = self._host.speed(busy, device._contention)
       device._advance()
       device._speed = speed
       if device._event is not None:

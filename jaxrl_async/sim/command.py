@@ -42,6 +42,8 @@ def parse_args(argv):
   parser.add_argument("--fold", type=int, default=None, help="--published: 1/fold of the cluster")
   parser.add_argument("--contention", type=float, default=None,
                       help="roles share one host with this contention (threads of a process)")
+  parser.add_argument("--learner_contention", type=float, default=None,
+                      help="the learner's own contention on that host, if it differs")
   parser.add_argument("--sweep", action="store_true", help="search the knobs (see sweep.py)")
   parser.add_argument("--max_gap", type=int, default=2)
   parser.add_argument("--max_stale_ratio", type=float, default=1.0)
@@ -89,6 +91,8 @@ def load(args):
     profile, bindings = load_profile(args.profile), []
   if args.contention is not None:
     profile = dataclasses.replace(profile, contention=args.contention)
+  if args.learner_contention is not None:
+    profile = dataclasses.replace(profile, learner_contention=args.learner_contention)
   modes = args.modes.split(",") if args.modes else list(MODES)
   return profile, mode_configs(modes, bindings + args.gin_bindings)
 

@@ -9,7 +9,11 @@ role) and its operative `config.gin`, and fits:
 - the response length distribution: P(L = k) ∝ r^k on [1, max] with the run's mean response
   length (the built-in task's family; `max` from `DigitReverseTask.max_len`, else 25);
 - the learner: busy seconds per version = per_update_s + s_per_token * tokens, least squares
-  over versions (per-token only when the fit is degenerate);
+  over versions (per-token only when the fit is degenerate). A run whose updates all have one
+  size cannot tell the two apart; `learner_fixed_fraction` f, measured elsewhere (the share of
+  an update's time that does not grow with its tokens: optimizer step, dispatch), splits the
+  run's mean update time U over its mean tokens per update T instead: per_update_s = f U,
+  s_per_token = (1 - f) U / T;
 - reward: its busy seconds per sample; sync: the mean `sync/latency_s`;
 - version_overhead_s: wall-clock per version not covered by any role (host time: records,
   bookkeeping), from a sync run; startup_s: the time before the fitted versions that they do
@@ -110,7 +114,8 @@ def span_totals(path: str, begin_s: float, end_s: float) -> dict[str, float] | N
 
 
 def profile_from_run(run_dir: str, *, skip_versions: int = 2, seed: int = 0,
-                     name: str | None = None, contention: float = 0.0) -> Profile:
+                     name: str | None = None, contention: float = 0.0,
+                     learner_fixed_fraction: float | None = None) -> Profile:
 
   path = os.path.join(run_dir, "metrics.jsonl")
   if not os.path.isfile(path):
@@ -148,6 +153,13 @@ def profile_from_run(run_dir: str, *, skip_versions: int = 2, seed: int = 0,
     slope, intercept = np.polyfit(toks, steps, 1)
     if slope > 0 and intercept > 0:
       per_token, per_update = float(slope), float(intercept) / updates_per_version
+  if learner_fixed_fraction is not None:
+    if not 0.0 <= learner_fixed_fraction < 1.0:
+      raise ValueError(f"learner_fixed_fraction={learner_fixed_fraction} must be in [0, 1)")
+    updates = versions * updates_per_version
+    update_s, update_tokens = busy["learner"] / updates, tokens / updates
+    per_update = learner_fixed_fraction * update_s
+    per_token = (1.0 - learner_fixed_fraction) * update_s / update_tokens
   sync_s = float(np.mean([r["sync/latency_s"] for r in records[skip_versions:]]))
   reward_s = busy["reward"] / samples
   overhead = max(0.0, (wall - sum(busy.values())) / versions) if knobs.get(
@@ -156,6 +168,9 @@ def profile_from_run(run_dir: str, *, skip_versions: int = 2, seed: int = 0,
   notes = (f"fitted from {path}{' and its busy spans' if totals else ''}: versions {first['policy_version']}..{last['policy_version']}, "
            f"{samples} samples, {tokens:.0f} response tokens, wall {wall:.3f} s, busy "
            + ", ".join(f"{k} {v:.3f} s" for k, v in busy.items()),)
+  if learner_fixed_fraction is not None:
+    notes += (f"learner: {learner_fixed_fraction:.3f} of an update's time fixed per update "
+              "(given, measured outside this run)",)
   base = Profile(name=name or f"fit:{os.path.basename(os.path.normpath(run_dir))}",
                  prompt_tokens=max(1, length.max + 1), response_length=length,
                  rollout=RolloutCost(replicas=1, slots=slots, decode_curve=((1, 1.0),)),

@@ -17,6 +17,9 @@ loops that `simulator.py` drives. Times are seconds of the virtual clock.
 - sync: publishing a version takes `fixed_s + bytes / bandwidth_bytes_per_s` on the learner.
 - host: `contention` > 0 makes the roles share one host (threads of one process): while k
   roles compute at once each runs at speed 1 / (1 + contention * (k - 1)).
+  `learner_contention`, if set, is the learner's own (rollout replicas keep `contention`): roles
+  laid out unevenly on the cores slow each other down unevenly (the processes backend's learner
+  on every core beside a rollout server pinned to one).
 - colocated: the sync baseline's own rollout replicas and learner costs when it runs on all
   devices (verl's colocated baseline); fields missing there fall back to the ones above.
 - sync_mode_overhead_s: host time per version between the sync baseline's stages (sync only).
@@ -195,6 +198,7 @@ class Profile:
   learner: LearnerCost = LearnerCost()
   sync: SyncCost = SyncCost()
   contention: float = 0.0
+  learner_contention: float | None = None
   colocated_rollout: RolloutCost | None = None
   colocated_learner: LearnerCost | None = None
   sync_mode_overhead_s: float = 0.0
@@ -210,6 +214,8 @@ class Profile:
     if not 0.0 <= self.reward_fail_prob <= 1.0:
       _fail("reward_fail_prob", self.reward_fail_prob, "a probability in [0, 1]")
     _positive("contention", self.contention, zero_ok=True)
+    if self.learner_contention is not None:
+      _positive("learner_contention", self.learner_contention, zero_ok=True)
     for name in ("sync_mode_overhead_s", "version_overhead_s", "startup_s"):
       _positive(name, getattr(self, name), zero_ok=True)
 

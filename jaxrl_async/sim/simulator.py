@@ -135,7 +135,8 @@ def simulate(profile: Profile, config: RunConfig, *, num_versions: int | None = 
   if num_versions < 1:
     raise ValueError(f"num_versions={num_versions} must be >= 1")
   clock = Clock()
-  host = Host(profile.contention)
+  host = Host(profile.contention, None if profile.learner_contention is None
+              else {"learner": profile.learner_contention})
   rollout_cost, learner_cost = profile.resources(config.mode)
   rng = np.random.default_rng(seed)
   budget = admission_budget(config.staleness_threshold, config.groups_per_version)

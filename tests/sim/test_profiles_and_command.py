@@ -51,6 +51,24 @@ def test_fit_recovers_a_simulated_sync_run(tmp_path):
   assert fitted.sync.fixed_s == pytest.approx(0.005)
 
 
+def test_a_given_fixed_fraction_splits_the_learner_into_its_two_costs(tmp_path):
+  """Every update of a sync run has one size, so the run alone cannot separate the cost per
+  update from the cost per token; the measured fraction that does not grow with tokens does."""
+  truth = profile_from_dict(PROFILE)
+  simulate(truth, RunConfig(mode="sync", **GEOMETRY)).write(tmp_path)
+  (tmp_path / "config.gin").write_text(
+      "x.config.RunConfig.group_size = 4\nx.config.RunConfig.mini_batch_size = 8\n"
+      "x.config.RunConfig.max_concurrent_decodes = 32\nx.config.RunConfig.mode = 'sync'\n")
+  tokens_per_update = 32 * truth.response_length.mean()
+  fraction = 0.01 / (0.01 + 2e-4 * tokens_per_update)
+  fitted = fit.profile_from_run(str(tmp_path), learner_fixed_fraction=fraction)
+  assert fitted.learner.per_update_s == pytest.approx(0.01, rel=0.05)
+  assert fitted.learner.s_per_token == pytest.approx(2e-4, rel=0.05)
+  assert any("fixed per update" in note for note in fitted.notes)
+  with pytest.raises(ValueError, match="learner_fixed_fraction=1.0 must be in"):
+    fit.profile_from_run(str(tmp_path), learner_fixed_fraction=1.0)
+
+
 def test_fit_refuses_a_directory_without_metrics(tmp_path):
   with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
     fit.profile_from_run(str(tmp_path))

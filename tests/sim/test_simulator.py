@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from jaxrl_async.config import RunConfig
 from jaxrl_async.metrics import staleness_metrics
 from jaxrl_async.sim import profile_from_dict, simulate
+from jaxrl_async.sim.clock import Clock, Device, Host
 from jaxrl_async.sim.replicas import SimSample, make_sample
 
 # Fixed response length L, one replica with room for a whole version: a version takes
@@ -50,6 +51,35 @@ def test_staleness_lets_rollout_run_ahead():
   np.testing.assert_allclose(steady, 0.75)
   assert result.summary["algo/version_gap_max"] == 1
   assert 0 < result.summary["algo/stale_ratio"] <= 1
+
+
+def test_a_device_with_its_own_contention_slows_down_alone():
+  """Two 1 s pieces at once; the learner has contention 1, the rollout 0: the rollout ends at
+  1 s at full speed, the learner has done half of its work then and ends at 1.5 s. With one
+  contention of 0.5 for both, each runs at 1 / 1.5 and both end at 1.5 s."""
+  for host, expected in ((Host(0.0, {"learner": 1.0}), {"rollout0": 1.0, "learner": 1.5}),
+                         (Host(0.5), {"rollout0": 1.5, "learner": 1.5})):
+    clock, ended = Clock(), {}
+    for name in ("rollout0", "learner"):
+      device = Device(clock, name, host)
+      device.start(1.0, lambda n=name, c=clock, e=ended: e.setdefault(n, c.now), name)
+    clock.run(100)
+    assert ended == expected
+
+
+def test_the_learners_own_contention_slows_only_the_learner():
+  """async_stale: rollout and learner compute at once. With contention only on the learner,
+  the rollout's busy time is what it is alone and the learner's grows; with one contention
+  for both, both grow."""
+  config = RunConfig(mode="async_stale", staleness_threshold=1.0, max_version_gap=1, **SMALL)
+  alone = simulate(profile_from_dict(FIXED), config).records[-1]
+  learner_only = simulate(profile_from_dict(dict(FIXED, learner_contention=1.0)),
+                          config).records[-1]
+  both = simulate(profile_from_dict(dict(FIXED, contention=1.0)), config).records[-1]
+  np.testing.assert_allclose(learner_only["rollout/busy_s"], alone["rollout/busy_s"])
+  assert learner_only["learner/busy_s"] > alone["learner/busy_s"] + 0.1
+  assert both["rollout/busy_s"] > alone["rollout/busy_s"] + 0.1
+  assert both["learner/busy_s"] > alone["learner/busy_s"] + 0.1
 
 
 def test_partial_rollout_records_spans_across_versions():
