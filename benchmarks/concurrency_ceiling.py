@@ -157,7 +157,7 @@ def _role_loops(bindings=()):
 
 def _roles(batches: int, bindings=()) -> dict:
   """The learner loop and the rollout loop of the default run: alone, then in two threads."""
-  from jaxrl_async.async_controller import GIL_SWITCH_INTERVAL_S
+  from jaxrl_async.controller import GIL_SWITCH_INTERVAL_S
   learn, roll, close = _role_loops(bindings)
   roll(batches // 4)
   learner_s = _in_threads(lambda: learn(batches))

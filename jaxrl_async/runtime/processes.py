@@ -26,6 +26,7 @@ from jaxrl_async.controller import (
   ledger_audit,
   make_learner_role,
   progress_bar,
+  short_gil_switch,
   show_version,
 )
 from jaxrl_async.ledger import LEDGER_FILE, SampleLedger, log_offsets, rewind_logs
@@ -104,8 +105,9 @@ def run_processes(parts, run_dir, *, resume: bool, progress: bool, log=print) ->
                 heartbeat_timeout_s=cfg.heartbeat_timeout_s,
                 status_path=os.path.join(run_dir, "rollout_servers.json"), log=log)
   try:
-    return _run(parts, run_dir, resume, progress, log, timer, writer, checkpointer, evaluator,
-                buffer, channel, fleet, service, ledger)
+    with short_gil_switch():  # the buffer service's threads answer the servers promptly
+      return _run(parts, run_dir, resume, progress, log, timer, writer, checkpointer, evaluator,
+                  buffer, channel, fleet, service, ledger)
   finally:
     try:
       fleet.stop()

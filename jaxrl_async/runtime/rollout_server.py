@@ -132,6 +132,7 @@ class RolloutServer(RolloutControl):
 def serve(spec: dict, conn) -> None:
   """The child's main: builds the server, then answers control calls until told to stop or the
   learner's process hangs up."""
+  from jaxrl_async.controller import short_gil_switch
   from jaxrl_async.runtime import assembly
   buffer = spec["buffer"]
   channel = assembly.open_rollout_channel(spec["channel"], spec["config"])
@@ -150,7 +151,8 @@ def serve(spec: dict, conn) -> None:
 
   conn.send(("ok", "ready"))
   try:
-    wire.serve_connection(conn, handler, stop)
+    with short_gil_switch():  # the loop, the reward callbacks and this thread share the GIL
+      wire.serve_connection(conn, handler, stop)
   finally:
     if server.rollouter.alive:
       server.stop(30.0)
