@@ -67,6 +67,9 @@ class RunConfig:
   learner_device_ids: tuple[int, ...] | None = None
   rollout_device_ids: tuple[int, ...] | None = None
   pack_sequences: bool = True  # several samples per row in the update (no padding FLOPs)
+  # Compile the update for every packed row count the run can meet before its clock starts,
+  # not at the update that first meets one (learner/compiled.py).
+  precompile_updates: bool = True
   sync_backend: str = "device"
   # -- backend: the roles as threads of one process, or rollout servers as processes / Ray --
   backend: str = "threads"

@@ -27,7 +27,15 @@ from jaxrl_async.buffer import VersionedBuffer
 from jaxrl_async.checkpoint import check_run_dir
 from jaxrl_async.config import RunConfig
 from jaxrl_async.learner import step as step_lib
-from jaxrl_async.learner.batching import bucket_length, collate, longest_sequence, pack
+from jaxrl_async.learner.batching import (
+  blank_batch,
+  bucket_length,
+  collate,
+  longest_sequence,
+  pack,
+  row_counts,
+)
+from jaxrl_async.learner.compiled import AheadOfTime
 from jaxrl_async.learner.sft import cached_base_policy
 from jaxrl_async.ledger import (
   SampleLedger,
@@ -125,8 +133,8 @@ def build(config: RunConfig, *, log=print) -> Parts:
   else:
     params = cached_base_policy(task, model_config, config.warm_start, mesh, log=log)
   state = step_lib.init_train_state(params, config.learner.optimizer(), mesh, logical_axes)
-  update = step_lib.make_update_fn(graphdef, config.learner, config.group_size,
-                                   step_lib.state_shardings(state))
+  update = AheadOfTime(step_lib.make_update_fn(graphdef, config.learner, config.group_size,
+                                               step_lib.state_shardings(state)))
   engine = Engine(graphdef, model_config, max_concurrent_decodes=config.max_concurrent_decodes,
                   max_prefill_length=task.max_sequence_len, sampling=config.sampling,
                   steps_per_call=config.decode_steps_per_call, mesh=placement.rollout,
@@ -134,14 +142,47 @@ def build(config: RunConfig, *, log=print) -> Parts:
   prompt_iterator = iter(prompts_lib.prompt_dataset(task, seed=config.seed))
   rewards = RewardPool(task.reward, num_workers=config.reward_workers,
                        timeout_s=config.reward_timeout_s, max_retries=config.reward_retries)
-  return Parts(config=config, task=task, model_config=model_config, graphdef=graphdef,
-               logical_axes=logical_axes, mesh=mesh, state=state, update=update,
-               logprobs=step_lib.make_logprob_fn(graphdef, config.learner.temperature,
-                                                 chunk_size=config.learner.logit_chunk_size),
-               engine=engine, rollout_mesh=placement.rollout,
-               eval_problems=task.eval_set(config.eval_size),
-               prompt_iterator=prompt_iterator, rewards=rewards,
-               ref_params=copy_params(state.params) if config.learner.needs_reference else None)
+  parts = Parts(config=config, task=task, model_config=model_config, graphdef=graphdef,
+                logical_axes=logical_axes, mesh=mesh, state=state, update=update,
+                logprobs=AheadOfTime(step_lib.make_logprob_fn(
+                    graphdef, config.learner.temperature,
+                    chunk_size=config.learner.logit_chunk_size)),
+                engine=engine, rollout_mesh=placement.rollout,
+                eval_problems=task.eval_set(config.eval_size),
+                prompt_iterator=prompt_iterator, rewards=rewards,
+                ref_params=copy_params(state.params) if config.learner.needs_reference
+                else None)
+  if config.precompile_updates and config.pack_sequences:
+    precompile_updates(parts, log=log)
+  return parts
+
+
+def precompile_updates(parts: Parts, *, log=print) -> list[int]:
+  """Compiles the update, and the anchor and reference logprobs where the run computes them,
+  for every row count a packed batch of this run can have (`batching.row_counts`; the
+  shortest sample taken as the shortest held-out prompt and one response token). Returns
+  the row counts."""
+  cfg = parts.config
+  num_samples = cfg.groups_per_update * cfg.group_size
+  shortest = 1 + min((len(p.prompt_tokens) for p in parts.eval_problems), default=1)
+  counts = row_counts(num_samples, parts.seq_len, min(shortest, parts.seq_len),
+                      parts.mesh.size)
+  anchored = cfg.learner.needs_recompute and cfg.trigger_parameter_sync_step > 1
+  began = time.perf_counter()
+  version = np.float32(0)
+  for rows in counts:
+    batch = step_lib.shard_batch(blank_batch(rows, parts.seq_len, num_samples), parts.mesh)
+    logp = None
+    if anchored or parts.ref_params is not None:
+      logp = parts.logprobs.compile(parts.state.params, batch.tokens, batch.positions,
+                                    batch.segment_ids).out_info
+    ref = logp if parts.ref_params is not None else None
+    parts.update.compile(parts.state, batch, None, version, version, ref)
+    if anchored:
+      parts.update.compile(parts.state, batch, logp, version, version, ref)
+  log(f"learner: the update compiled for row counts {counts} "
+      f"({time.perf_counter() - began:.1f} s)")
+  return counts
 
 
 def checkpoint_model_config(checkpoint, task, cache_length: int):
@@ -252,6 +293,10 @@ def run_parts(parts: Parts, run_dir: str | os.PathLike, *, resume: bool = False,
       summary = run_sync(parts, run_dir, resume=resume, progress=progress, log=log)
   finally:
     parts.rewards.close()
+  # Updates on an executable compiled before the run, and updates that compiled a shape of
+  # their own (a row count outside the precompiled ones, or precompile_updates off).
+  summary.update({f"learner/updates_{path}": count
+                  for path, count in getattr(parts.update, "calls", {}).items()})
   data_metrics = getattr(parts.task, "data_metrics", None)
   if data_metrics is not None:  # a task over dataset files: its rows, and bad rows by reason
     summary.update(data_metrics())

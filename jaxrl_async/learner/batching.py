@@ -156,6 +156,36 @@ def packed_rows(needed: int, row_multiple: int = 8) -> int:
   return row_multiple * size
 
 
+def row_counts(num_samples: int, row_length: int, shortest_sample: int,
+               row_multiple: int = 8) -> list[int]:
+  """Every row count `pack` can give a batch of `num_samples` samples, none shorter than
+  `shortest_sample` tokens, in rows of `row_length`: `packed_rows(n)` for n from the fewest
+  rows they fit in (floor(row_length / shortest_sample) samples a row) to one row each."""
+  for name, value in (("num_samples", num_samples), ("row_length", row_length),
+                      ("shortest_sample", shortest_sample)):
+    if not isinstance(value, int) or value < 1:
+      raise ValueError(f"row_counts: {name}={value!r} must be an int >= 1")
+  if shortest_sample > row_length:
+    raise ValueError(f"row_counts: shortest_sample={shortest_sample} exceeds "
+                     f"row_length={row_length}")
+  fewest = -(-num_samples // (row_length // shortest_sample))
+  return sorted({packed_rows(n, row_multiple) for n in range(fewest, num_samples + 1)})
+
+
+def blank_batch(num_rows: int, row_length: int, num_samples: int) -> TrainBatch:
+  """A batch of the given shape holding nothing (no response token, zero rewards): the shape
+  to compile an update for."""
+  def zeros(dtype):
+    return np.zeros((num_rows, row_length), dtype)
+
+  return TrainBatch(tokens=zeros(np.int32), positions=zeros(np.int32),
+                    segment_ids=zeros(np.int32), sample_index=zeros(np.int32),
+                    response_mask=zeros(np.float32), behaviour_logprobs=zeros(np.float32),
+                    token_versions=np.full((num_rows, row_length), -1, np.int32),
+                    rewards=np.zeros((num_samples,), np.float32),
+                    group_index=np.zeros((num_samples,), np.int32))
+
+
 def pack(groups: Sequence[Sequence[Sample]], row_length: int, pad_id: int = 0,
          num_groups: int | None = None, row_multiple: int = 8) -> TrainBatch:
   """groups: G lists of K samples -> rows of `row_length` tokens holding several samples each.
