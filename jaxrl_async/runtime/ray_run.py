@@ -198,9 +198,13 @@ class RayFleet:
   produced_groups = Fleet.produced_groups
 
   def stop(self, timeout: float = 60.0) -> None:
+    """Stops every actor; rollout_servers.json then names the incarnations that stopped (a
+    restart after the last heartbeat is known only from the stop's answer)."""
+    stopped = False
     for index, actor in enumerate(self.actors):
       if actor is None:
         continue
+      stopped = True
       try:
         self.last_health[index] = self._call(index, "stop", timeout) or self.last_health[index]
         keep_spans(self.pending_spans, self.last_health[index])
@@ -210,6 +214,11 @@ class RayFleet:
       finally:
         self.ray.kill(actor, no_restart=True)
         self.actors[index] = None
+    if stopped:
+      try:
+        self._write_status()
+      except Exception as error:  # the buffer actor is gone (a failed run): reported only
+        self.log(f"rollout_servers.json not updated at the stop: {error!r}")
 
 
 class DriverBuffer:

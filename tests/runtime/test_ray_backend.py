@@ -287,8 +287,16 @@ def test_the_default_task_trains_with_rollout_servers_as_ray_actors(cluster, tmp
 
 
 @pytest.mark.slow
-def test_a_killed_rollout_actor_mid_run_loses_and_duplicates_no_prompt(cluster, tmp_path):
+@pytest.mark.parametrize("heartbeat_s", [None, 60.0], ids=["heartbeat", "no_heartbeat_after"])
+def test_a_killed_rollout_actor_mid_run_loses_and_duplicates_no_prompt(cluster, tmp_path,
+                                                                       monkeypatch, heartbeat_s):
+  """SIGKILL: Ray restarts the actor. With the driver's heartbeat slower than the rest of the
+  run, no heartbeat sees the new incarnation: rollout_servers.json names it all the same (from
+  the stop's answer)."""
   del cluster
+  if heartbeat_s is not None:
+    from jaxrl_async.runtime import processes
+    monkeypatch.setattr(processes, "HEARTBEAT_INTERVAL_S", heartbeat_s)
   config = processes_tests.small_config(12, **RAY_PLACEMENT)
   summary, victim, ledger = processes_tests.run_with_fault(config, tmp_path, signal.SIGKILL,
                                                            at_version=3)
