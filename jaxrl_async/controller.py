@@ -27,15 +27,8 @@ from jaxrl_async.buffer import VersionedBuffer
 from jaxrl_async.checkpoint import check_run_dir
 from jaxrl_async.config import RunConfig
 from jaxrl_async.learner import step as step_lib
-from jaxrl_async.learner.batching import (
-  blank_batch,
-  bucket_length,
-  collate,
-  longest_sequence,
-  pack,
-  row_counts,
-)
-from jaxrl_async.learner.compiled import AheadOfTime
+from jaxrl_async.learner.batching import bucket_length, collate, longest_sequence, pack
+from jaxrl_async.learner.compiled import AheadOfTime, precompile_update
 from jaxrl_async.learner.sft import cached_base_policy
 from jaxrl_async.ledger import (
   SampleLedger,
@@ -158,28 +151,16 @@ def build(config: RunConfig, *, log=print) -> Parts:
 
 
 def precompile_updates(parts: Parts, *, log=print) -> list[int]:
-  """Compiles the update, and the anchor and reference logprobs where the run computes them,
-  for every row count a packed batch of this run can have (`batching.row_counts`; the
-  shortest sample taken as the shortest held-out prompt and one response token). Returns
-  the row counts."""
+  """`compiled.precompile_update` for this run's batches (the shortest sample taken as the
+  shortest held-out prompt and one response token). Returns the row counts."""
   cfg = parts.config
-  num_samples = cfg.groups_per_update * cfg.group_size
   shortest = 1 + min((len(p.prompt_tokens) for p in parts.eval_problems), default=1)
-  counts = row_counts(num_samples, parts.seq_len, min(shortest, parts.seq_len),
-                      parts.mesh.size)
-  anchored = cfg.learner.needs_recompute and cfg.trigger_parameter_sync_step > 1
   began = time.perf_counter()
-  version = np.float32(0)
-  for rows in counts:
-    batch = step_lib.shard_batch(blank_batch(rows, parts.seq_len, num_samples), parts.mesh)
-    logp = None
-    if anchored or parts.ref_params is not None:
-      logp = parts.logprobs.compile(parts.state.params, batch.tokens, batch.positions,
-                                    batch.segment_ids).out_info
-    ref = logp if parts.ref_params is not None else None
-    parts.update.compile(parts.state, batch, None, version, version, ref)
-    if anchored:
-      parts.update.compile(parts.state, batch, logp, version, version, ref)
+  counts = precompile_update(
+      parts.update, parts.logprobs, parts.state, mesh=parts.mesh, row_length=parts.seq_len,
+      num_samples=cfg.groups_per_update * cfg.group_size, shortest_sample=shortest,
+      anchored=cfg.learner.needs_recompute and cfg.trigger_parameter_sync_step > 1,
+      with_reference=parts.ref_params is not None)
   log(f"learner: the update compiled for row counts {counts} "
       f"({time.perf_counter() - began:.1f} s)")
   return counts

@@ -17,6 +17,10 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
+
+from jaxrl_async.learner import step as step_lib
+from jaxrl_async.learner.batching import blank_batch, row_counts
 
 
 def shape_key(args) -> tuple:
@@ -52,3 +56,25 @@ class AheadOfTime:
 
   def lower(self, *args, **kwargs):
     return self.jitted.lower(*args, **kwargs)
+
+
+def precompile_update(update: AheadOfTime, logprobs: AheadOfTime, state, *, mesh,
+                      row_length: int, num_samples: int, shortest_sample: int, anchored: bool,
+                      with_reference: bool) -> list[int]:
+  """Compiles `update` (`step.make_update_fn`'s, wrapped) for every row count a packed batch of
+  `num_samples` samples can have (`batching.row_counts`), with the anchor's logprobs where
+  `anchored` ('recompute' with several updates a window: the anchored update too) and the
+  reference policy's where `with_reference`. Returns the row counts."""
+  counts = row_counts(num_samples, row_length, min(shortest_sample, row_length), mesh.size)
+  version = np.float32(0)
+  for rows in counts:
+    batch = step_lib.shard_batch(blank_batch(rows, row_length, num_samples), mesh)
+    logp = None
+    if anchored or with_reference:
+      logp = logprobs.compile(state.params, batch.tokens, batch.positions,
+                              batch.segment_ids).out_info
+    ref = logp if with_reference else None
+    update.compile(state, batch, None, version, version, ref)
+    if anchored:
+      update.compile(state, batch, logp, version, version, ref)
+  return counts
