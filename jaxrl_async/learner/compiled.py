@@ -54,9 +54,6 @@ class AheadOfTime:
     self.calls["ahead_of_time"] += 1
     return executable(first, *rest)
 
-  def lower(self, *args, **kwargs):
-    return self.jitted.lower(*args, **kwargs)
-
 
 def precompile_update(update: AheadOfTime, logprobs: AheadOfTime, state, *, mesh,
                       row_length: int, num_samples: int, shortest_sample: int, anchored: bool,
