@@ -9,12 +9,11 @@ groups; `trigger_parameter_sync_step` local updates make one policy version.
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from typing import Any
 
 from jaxrl_async.buffer.admission import admission_budget
 from jaxrl_async.buffer.groups import drop_uniform_reward
+from jaxrl_async.config_types import check_field_types
 from jaxrl_async.learner.sft import WarmStartConfig
 from jaxrl_async.learner.step import LearnerConfig
 from jaxrl_async.rollout.generation import PARTIAL_STRATEGIES
@@ -214,38 +213,3 @@ def _choice(name: str, value, allowed) -> None:
 def _positive_int(name: str, value) -> None:
   if not isinstance(value, int) or value < 1:
     raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
-def check_field_types(config) -> None:
-  """Each field's value has its annotated type (a gin binding of the wrong type fails here,
-  naming the field, before any comparison can raise an unnamed TypeError)."""
-  hints = typing.get_type_hints(type(config))
-  for field in dataclasses.fields(config):
-    value = getattr(config, field.name)
-    allowed = _allowed_types(hints[field.name])
-    if allowed is None:
-      continue
-    if isinstance(value, allowed) and not (isinstance(value, bool) and bool not in allowed):
-      continue
-    names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
-    raise TypeError(f"{type(config).__name__}.{field.name} must be {names}, got "
-                    f"{value!r} ({type(value).__name__})")
-
-
-def _allowed_types(hint) -> tuple[type, ...] | None:
-  """The isinstance() types a hint allows (None: not checked). float admits ints."""
-  if hint is Any:
-    return None
-  if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-    parts = [_allowed_types(arg) for arg in typing.get_args(hint)]
-    if any(part is None for part in parts):
-      return None
-    return tuple(t for part in parts for t in part)
-  origin = typing.get_origin(hint)
-  if origin in (tuple, list):
-    return (tuple, list)
-  if hint is float:
-    return (float, int)
-  if hint is type(None):
-    return (type(None),)
-  return (hint,) if isinstance(hint, type) else None

@@ -19,6 +19,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxrl_async.config_types import check_field_types
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 # Logical axis -> mesh axis (or tuple of mesh axes, or None = replicated).
@@ -43,6 +45,9 @@ class MeshShape:
   data: int = 1
   fsdp: int = -1
   tensor: int = 1
+
+  def __post_init__(self):
+    check_field_types(self)
 
   def num_devices(self, available: int) -> int:
     """Devices this mesh takes: all `available` with a -1 axis, else the product of the sizes."""

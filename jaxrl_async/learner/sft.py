@@ -21,6 +21,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
+from jaxrl_async.config_types import check_field_types
 from jaxrl_async.learner.step import TrainState, init_train_state, state_shardings
 from jaxrl_async.model import ModelConfig, apply, init_model, param_logical_axes, split_model
 
@@ -33,6 +34,7 @@ class WarmStartConfig:
   seed: int = 0
 
   def __post_init__(self):
+    check_field_types(self)
     if self.steps < 0:
       raise ValueError(f"warm start steps must be >= 0, got {self.steps}")
     if self.batch_size < 1:

@@ -29,6 +29,7 @@ from flax import struct
 from jax.sharding import Mesh
 
 from jaxrl_async import sharding
+from jaxrl_async.config_types import check_field_types
 from jaxrl_async.learner import advantages as advantages_lib
 from jaxrl_async.learner import losses, proximal
 from jaxrl_async.learner.batching import TrainBatch
@@ -66,10 +67,13 @@ class LearnerConfig:
   logit_chunk_size: int = 16
 
   def __post_init__(self):
+    # Types first: logit_chunk_size keeps its own check (type and range, a ValueError), then the
+    # shared check types every field, then the range checks.
     if (isinstance(self.logit_chunk_size, bool) or not isinstance(self.logit_chunk_size, int)
         or self.logit_chunk_size < 0):
-      raise ValueError("logit_chunk_size must be an int >= 0 (0: unchunked), got "
-                       f"{self.logit_chunk_size!r}")
+      raise ValueError("LearnerConfig.logit_chunk_size must be an int >= 0 (0: unchunked), got "
+                       f"{self.logit_chunk_size!r} ({type(self.logit_chunk_size).__name__})")
+    check_field_types(self)
     if not self.learning_rate > 0:
       raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
     if self.weight_decay < 0:

@@ -13,6 +13,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxrl_async.config_types import check_field_types
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
@@ -21,6 +23,7 @@ class SamplingConfig:
   top_p: float = 1.0  # 1 = off
 
   def __post_init__(self):
+    check_field_types(self)
     if self.temperature < 0:
       raise ValueError(f"temperature must be >= 0, got {self.temperature}")
     if self.top_k < 0:
