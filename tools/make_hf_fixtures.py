@@ -18,6 +18,20 @@ in tokenizer_config.json), and records with transformers (eager attention, float
   `apply_chat_template` renderings of a few conversations (text and token ids).
 Weights are drawn so that greedy steps are not near ties and continuations do not just repeat
 one token (a seed is retried otherwise).
+
+`--rope-fixture` (transformers 5 only, in its own virtual environment) writes
+tests/fixtures/hf/qwen2-tf5/ instead: a random tiny Qwen2 saved by transformers 5, so its
+config.json holds RoPE in the 5.x layout (`rope_parameters`, theta 1e6, no top-level
+rope_theta), without a tokenizer, and in reference_logits.npz the logits transformers computes
+for two prompts (token ids in reference.json) with the saved RoPE and with each RoPE variant of
+ROPE_VARIANTS (linear, llama3, YaRN) on the same weights:
+
+    python3 -m venv tf5-venv
+    tf5-venv/bin/pip install torch==2.13.0 'transformers>=5' safetensors
+    tf5-venv/bin/python tools/make_hf_fixtures.py --rope-fixture   # a few seconds
+
+`--resave-configs` (transformers 5 too) writes tests/fixtures/hf/configs/fixture-<family>.tf5.json:
+the config.json of each fixture above as transformers 5 loads and saves it.
 """
 
 from __future__ import annotations
@@ -124,6 +138,10 @@ FAMILIES = {
                     tie_word_embeddings=True, use_sliding_window=False),
         max_shard_size=None),
 }
+TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
+# transformers 5 renamed config's torch_dtype to dtype and always writes safetensors.
+DTYPE_KWARG = "dtype" if TRANSFORMERS_5 else "torch_dtype"
+SAFE_SERIALIZATION = {} if TRANSFORMERS_5 else {"safe_serialization": True}
 TRAINED_VOCAB = 384  # byte alphabet (256) + merges, before the special tokens
 MODEL_VOCAB = 400  # embedding rows; more than the tokenizer's ids, as Qwen's checkpoints have
 
@@ -195,7 +213,7 @@ def build_family(name: str, spec: dict, seed: int) -> dict:
   ids = {k: (tokenizer.convert_tokens_to_ids(v) if v else None) for k, v in special.items()}
   config = getattr(transformers, spec["config_class"])(
       vocab_size=MODEL_VOCAB, bos_token_id=ids["bos"], eos_token_id=ids["eos"],
-      pad_token_id=ids["pad"], torch_dtype="float32", attn_implementation="eager",
+      pad_token_id=ids["pad"], attn_implementation="eager", **{DTYPE_KWARG: "float32"},
       **spec["config"])
   prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in PROMPTS]
   if ids["bos"] is not None:
@@ -216,7 +234,7 @@ def build_family(name: str, spec: dict, seed: int) -> dict:
     logits = {f"logits_{i}": model(torch.tensor([p])).logits[0].numpy().astype(np.float32)
               for i, p in enumerate(prompts)}
   np.savez_compressed(directory / "reference_logits.npz", **logits)
-  model.save_pretrained(directory, safe_serialization=True,
+  model.save_pretrained(directory, **SAFE_SERIALIZATION,
                         **({"max_shard_size": spec["max_shard_size"]}
                            if spec["max_shard_size"] else {}))
   chats = []
@@ -243,12 +261,97 @@ def build_family(name: str, spec: dict, seed: int) -> dict:
           "bytes": sum(f.stat().st_size for f in directory.iterdir())}
 
 
+# ---- the transformers 5 fixture: RoPE in the 5.x layout and its scaling variants ---------------
+ROPE_FIXTURE = "qwen2-tf5"
+ROPE_CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                   rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False,
+                   rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+ROPE_PROMPT_LENGTHS = (40, 128)
+# Each variant replaces rope_parameters on the saved weights. Theta 1e4 and an original length of
+# 64 put head_dim 16's wavelengths on both sides of the llama3 and YaRN thresholds.
+ROPE_VARIANTS = {
+    "linear": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+               "rope_theta": 10_000.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+             "rope_theta": 10_000.0},
+    "yarn_explicit": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128,
+                      "beta_fast": 16.0, "beta_slow": 2.0, "attention_factor": 1.3,
+                      "truncate": False, "rope_theta": 50_000.0},
+}
+
+
+def _logits(config, state_dict, prompts) -> list[np.ndarray]:
+  model = transformers.Qwen2ForCausalLM(config).eval()
+  model.load_state_dict(state_dict)
+  with torch.no_grad():
+    return [model(torch.tensor([p])).logits[0].numpy().astype(np.float32) for p in prompts]
+
+
+def build_rope_fixture(seed: int) -> dict:
+  if not TRANSFORMERS_5:
+    raise SystemExit(f"--rope-fixture needs transformers >= 5 (the 5.x config layout), found "
+                     f"{transformers.__version__}")
+  directory = OUT / ROPE_FIXTURE
+  shutil.rmtree(directory, ignore_errors=True)
+  directory.mkdir(parents=True)
+  config = transformers.Qwen2Config(attn_implementation="eager", dtype="float32", **ROPE_CONFIG)
+  torch.manual_seed(seed)
+  model = transformers.Qwen2ForCausalLM(config).eval()
+  randomize(model, seed, gain=2.0)
+  model.save_pretrained(directory)
+  saved = json.loads((directory / "config.json").read_text())
+  if "rope_theta" in saved or saved.get("rope_parameters", {}).get("rope_theta") != 1_000_000.0:
+    raise RuntimeError(f"transformers {transformers.__version__} did not write the 5.x RoPE "
+                       f"layout: {saved}")
+  rng = np.random.default_rng(seed)
+  prompts = [rng.integers(0, ROPE_CONFIG["vocab_size"], n).tolist() for n in ROPE_PROMPT_LENGTHS]
+  state = model.state_dict()
+  logits = {f"default_{i}": x for i, x in enumerate(_logits(config, state, prompts))}
+  for name, rope in ROPE_VARIANTS.items():
+    variant = transformers.Qwen2Config(attn_implementation="eager", dtype="float32",
+                                       **{**ROPE_CONFIG, "rope_parameters": dict(rope)})
+    logits.update({f"{name}_{i}": x for i, x in enumerate(_logits(variant, state, prompts))})
+  np.savez_compressed(directory / "reference_logits.npz", **logits)
+  reference = {"seed": seed, "transformers": transformers.__version__,
+               "torch": torch.__version__, "prompts": prompts, "variants": ROPE_VARIANTS}
+  (directory / "reference.json").write_text(json.dumps(reference, indent=1) + "\n")
+  return {"fixture": ROPE_FIXTURE, "transformers": transformers.__version__,
+          "bytes": sum(f.stat().st_size for f in directory.iterdir())}
+
+
+def resave_configs() -> list[str]:
+  """tests/fixtures/hf/configs/fixture-<family>.tf5.json: each 4.x fixture's config.json as
+  transformers 5 loads and saves it (the 5.x layout of the same model)."""
+  if not TRANSFORMERS_5:
+    raise SystemExit(f"--resave-configs needs transformers >= 5, found {transformers.__version__}")
+  written = []
+  for name in sorted(FAMILIES):
+    config = transformers.AutoConfig.from_pretrained(OUT / name)
+    path = OUT / "configs" / f"fixture-{name}.tf5.json"
+    path.write_text(config.to_json_string(use_diff=True))
+    written.append(str(path.relative_to(ROOT)))
+  return written
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--families", nargs="*", default=sorted(FAMILIES))
+  parser.add_argument("--rope-fixture", action="store_true",
+                      help=f"write tests/fixtures/hf/{ROPE_FIXTURE} (transformers 5) instead")
+  parser.add_argument("--resave-configs", action="store_true",
+                      help="write tests/fixtures/hf/configs/fixture-*.tf5.json (transformers 5)")
   args = parser.parse_args()
   torch.set_num_threads(1)
+  if args.rope_fixture or args.resave_configs:
+    if args.rope_fixture:
+      print(json.dumps(build_rope_fixture(args.seed)))
+    if args.resave_configs:
+      print(json.dumps(resave_configs()))
+    return
   for name in args.families:
     print(json.dumps(build_family(name, FAMILIES[name], args.seed)))
 

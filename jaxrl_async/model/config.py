@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
+
+import numpy as np
 
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _check_factor(owner: str, factor: float) -> None:
+  if not factor >= 1.0:
+    raise ValueError(f"{owner}.factor must be >= 1, got {factor}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,9 +30,11 @@ class RopeScaling:
   high_freq_factor: float = 4.0
   original_max_position_embeddings: int = 8192
 
+  rope_type: ClassVar[str] = "llama3"
+  attention_factor: ClassVar[float] = 1.0
+
   def __post_init__(self):
-    if not self.factor >= 1.0:
-      raise ValueError(f"RopeScaling.factor must be >= 1, got {self.factor}")
+    _check_factor("RopeScaling", self.factor)
     if not 0 < self.low_freq_factor < self.high_freq_factor:
       raise ValueError(
           f"RopeScaling needs 0 < low_freq_factor < high_freq_factor, got "
@@ -33,18 +43,136 @@ class RopeScaling:
       raise ValueError(f"RopeScaling.original_max_position_embeddings must be >= 1, got "
                        f"{self.original_max_position_embeddings}")
 
-  def scale_frequencies(self, inv_freq):
+  def scale_frequencies(self, inv_freq, theta: float | None = None):
     """inv_freq: [D/2] angular frequencies (numpy or jax) -> the scaled frequencies."""
-    low_wavelen = self.original_max_position_embeddings / self.low_freq_factor
-    high_wavelen = self.original_max_position_embeddings / self.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    smooth = ((self.original_max_position_embeddings / wavelen - self.low_freq_factor)
-              / (self.high_freq_factor - self.low_freq_factor))
-    scaled = inv_freq / self.factor
-    interpolated = (1 - smooth) * scaled + smooth * inv_freq
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    out = (wavelen > low_wavelen) * scaled + (wavelen < high_wavelen) * inv_freq
-    return out + medium * interpolated
+    del theta  # the wavelengths alone decide
+    return llama3_frequencies(inv_freq, self.factor, self.low_freq_factor,
+                              self.high_freq_factor, self.original_max_position_embeddings)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearRopeScaling:
+  """Position interpolation ('linear' in Hugging Face configs): every frequency over `factor`."""
+
+  factor: float = 2.0
+
+  rope_type: ClassVar[str] = "linear"
+  attention_factor: ClassVar[float] = 1.0
+
+  def __post_init__(self):
+    _check_factor("LinearRopeScaling", self.factor)
+
+  def scale_frequencies(self, inv_freq, theta: float | None = None):
+    del theta
+    return linear_frequencies(inv_freq, self.factor)
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnRopeScaling:
+  """YaRN (Peng et al. 2023, 'yarn' in Hugging Face configs): NTK-by-parts interpolation of the
+  frequencies and a temperature on the attention logits.
+
+  Dimensions that turn more than beta_fast times over original_max_position_embeddings keep
+  their frequency, those turning fewer than beta_slow times are divided by `factor`, with a
+  linear ramp between (over the dimension index, its ends floored and ceiled when `truncate`).
+  Rotated queries and keys are both multiplied by attention_factor (default 0.1 ln(factor) + 1),
+  so the logits by its square.
+  """
+
+  factor: float = 4.0
+  original_max_position_embeddings: int = 4096
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  attention_factor: float | None = None  # None: yarn_attention_factor(factor)
+  truncate: bool = True
+
+  rope_type: ClassVar[str] = "yarn"
+
+  def __post_init__(self):
+    _check_factor("YarnRopeScaling", self.factor)
+    if self.original_max_position_embeddings < 1:
+      raise ValueError(f"YarnRopeScaling.original_max_position_embeddings must be >= 1, got "
+                       f"{self.original_max_position_embeddings}")
+    if not 0 < self.beta_slow < self.beta_fast:
+      raise ValueError(f"YarnRopeScaling needs 0 < beta_slow < beta_fast, got "
+                       f"{self.beta_slow}, {self.beta_fast}")
+    if self.attention_factor is None:
+      object.__setattr__(self, "attention_factor", yarn_attention_factor(self.factor))
+    if not self.attention_factor > 0:
+      raise ValueError(f"YarnRopeScaling.attention_factor must be > 0, got "
+                       f"{self.attention_factor}")
+
+  def scale_frequencies(self, inv_freq, theta: float | None = None):
+    if theta is None:
+      raise ValueError("YarnRopeScaling.scale_frequencies needs theta (the RoPE base)")
+    return yarn_frequencies(inv_freq, theta, self.factor, self.original_max_position_embeddings,
+                            self.beta_fast, self.beta_slow, self.truncate)
+
+
+ROPE_SCALINGS = (RopeScaling, LinearRopeScaling, YarnRopeScaling)
+
+
+# ---- RoPE frequencies: pure functions of numpy or jax arrays ------------------------------------
+def rope_inverse_frequencies(head_dim: int, theta: float) -> np.ndarray:
+  """The [head_dim / 2] angular frequencies theta^(-2i / head_dim) of plain RoPE (float64)."""
+  return theta ** (-np.arange(head_dim // 2, dtype=np.float64) * 2 / head_dim)
+
+
+def linear_frequencies(inv_freq, factor: float):
+  """Position interpolation: positions divided by `factor`, i.e. every frequency."""
+  return inv_freq / factor
+
+
+def llama3_frequencies(inv_freq, factor: float, low_freq_factor: float, high_freq_factor: float,
+                       original_max_position_embeddings: int):
+  """Llama 3.1's scaling: wavelengths 2 pi / f below L / high_freq_factor kept, above
+  L / low_freq_factor divided by `factor`, interpolated in L / wavelength between (L: the
+  original context length)."""
+  length = original_max_position_embeddings
+  low_wavelen, high_wavelen = length / low_freq_factor, length / high_freq_factor
+  wavelen = 2 * math.pi / inv_freq
+  smooth = (length / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+  scaled = inv_freq / factor
+  interpolated = (1 - smooth) * scaled + smooth * inv_freq
+  medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+  out = (wavelen > low_wavelen) * scaled + (wavelen < high_wavelen) * inv_freq
+  return out + medium * interpolated
+
+
+def yarn_correction_dim(rotations: float, head_dim: int, theta: float, length: int) -> float:
+  """The (fractional) dimension index i whose wavelength 2 pi theta^(2i / head_dim) fits
+  `rotations` times into `length` positions."""
+  return head_dim * math.log(length / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+
+def yarn_ramp(head_dim: int, theta: float, length: int, beta_fast: float, beta_slow: float,
+              truncate: bool = True) -> np.ndarray:
+  """[head_dim / 2] weights of the interpolated frequency: 0 up to the dimension turning
+  beta_fast times over `length`, 1 from the one turning beta_slow times, linear between."""
+  low = yarn_correction_dim(beta_fast, head_dim, theta, length)
+  high = yarn_correction_dim(beta_slow, head_dim, theta, length)
+  if truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, head_dim - 1)
+  if low == high:
+    high += 0.001  # a step, not a division by zero
+  index = np.arange(head_dim // 2, dtype=np.float64)
+  return np.clip((index - low) / (high - low), 0.0, 1.0)
+
+
+def yarn_frequencies(inv_freq, theta: float, factor: float, original_max_position_embeddings: int,
+                     beta_fast: float = 32.0, beta_slow: float = 1.0, truncate: bool = True):
+  """YaRN's NTK-by-parts frequencies: inv_freq / factor where the ramp is 1 (slow dimensions),
+  inv_freq where it is 0 (fast ones), their ramp-weighted mean between."""
+  head_dim = 2 * inv_freq.shape[-1]
+  ramp = np.asarray(yarn_ramp(head_dim, theta, original_max_position_embeddings, beta_fast,
+                              beta_slow, truncate), dtype=inv_freq.dtype)
+  return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def yarn_attention_factor(factor: float) -> float:
+  """YaRN's default temperature sqrt(1/t) = 0.1 ln(factor) + 1 (1 when factor <= 1)."""
+  return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,9 +180,10 @@ class ModelConfig:
   """A Llama / Qwen2 / Qwen3-family decoder: RMSNorm, RoPE, SwiGLU MLP, grouped-query attention.
 
   Family switches: `qkv_bias` and `tie_embeddings` (Qwen2), `qk_norm` (Qwen3: RMSNorm over
-  head_dim on every query and key head before RoPE), `rope_scaling` (Llama 3.x). `dtype` is the
-  activation dtype, `param_dtype` the dtype parameters are stored in; `remat` recomputes each
-  block's activations in the backward pass of a forward without a KV cache (the learner's).
+  head_dim on every query and key head before RoPE), `rope_scaling` (RoPE frequency scaling:
+  Llama 3.x's, linear or YaRN). `dtype` is the activation dtype, `param_dtype` the dtype
+  parameters are stored in; `remat` recomputes each block's activations in the backward pass of
+  a forward without a KV cache (the learner's).
   """
 
   vocab_size: int = 16
@@ -72,7 +201,8 @@ class ModelConfig:
   dtype: str = "float32"  # activation dtype
   param_dtype: str = "float32"
   qk_norm: bool = False  # Qwen3
-  rope_scaling: RopeScaling | None = None  # Llama 3.x
+  # Llama 3.x ('llama3'), position interpolation ('linear') or YaRN ('yarn')
+  rope_scaling: RopeScaling | LinearRopeScaling | YarnRopeScaling | None = None
   remat: bool = False  # gradient checkpointing of each block (forward without a cache)
 
   def __post_init__(self):
@@ -95,9 +225,9 @@ class ModelConfig:
     if self.param_dtype not in DTYPES:
       raise ValueError(f"ModelConfig.param_dtype must be one of {DTYPES}, got "
                        f"{self.param_dtype!r}")
-    if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
-      raise ValueError(f"ModelConfig.rope_scaling must be a RopeScaling or None, got "
-                       f"{self.rope_scaling!r}")
+    if self.rope_scaling is not None and not isinstance(self.rope_scaling, ROPE_SCALINGS):
+      raise ValueError(f"ModelConfig.rope_scaling must be a RopeScaling (llama3), "
+                       f"LinearRopeScaling, YarnRopeScaling or None, got {self.rope_scaling!r}")
 
   @property
   def resolved_head_dim(self) -> int:

@@ -21,7 +21,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from jaxrl_async.model.config import ModelConfig, RopeScaling
+from jaxrl_async.model.config import (
+  LinearRopeScaling,
+  ModelConfig,
+  RopeScaling,
+  YarnRopeScaling,
+)
 
 
 def _param(rngs: nnx.Rngs, init, shape, axes, dtype=jnp.float32) -> nnx.Param:
@@ -68,19 +73,23 @@ class RMSNorm(nnx.Module):
 
 
 def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float,
-                     scaling: RopeScaling | None = None) -> jax.Array:
+                     scaling: RopeScaling | LinearRopeScaling | YarnRopeScaling | None = None
+                     ) -> jax.Array:
   """RoPE (Su et al. 2021), half-split layout. x: [B, T, H, D], positions: [B, T].
 
-  scaling: Llama 3.x frequency scaling (`RopeScaling`), or None.
+  scaling: a frequency scaling (Llama 3.x `RopeScaling`, `LinearRopeScaling`,
+  `YarnRopeScaling`), or None. YaRN's attention_factor multiplies the rotated vectors.
   """
   half = x.shape[-1] // 2
   freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)  # [D/2]
   if scaling is not None:
-    freqs = scaling.scale_frequencies(freqs)
+    freqs = scaling.scale_frequencies(freqs, theta)
   angles = positions[..., None].astype(jnp.float32) * freqs  # [B, T, D/2]
   sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
   x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  if scaling is not None and scaling.attention_factor != 1.0:
+    out = out * scaling.attention_factor
   return out.astype(x.dtype)
 
 
