@@ -109,7 +109,7 @@ def produce_remote(address, authkey, producer: int, num_groups: int, group_size:
   """In a producer process: builds its samples, waits for `go`, then admits and puts them, up
   to `groups_per_put` groups per admission call and per `put_many` (a rollout step that
   finishes several groups puts them together)."""
-  from jaxrl_async.runtime.buffer_service import RemoteBufferClient
+  from jaxrl_async.backends.processes.buffer_service import RemoteBufferClient
   groups = make_samples(num_groups, group_size, producer * num_groups)
   buffer = RemoteBufferClient(address, authkey, f"producer-{producer}", transport=transport)
   buffer.acquire_group_slots(1, 0)  # connect before the timed region
@@ -139,8 +139,8 @@ def run_cross_process(num_producers: int, num_samples: int, group_size: int,
                       groups_per_put: int = 1) -> dict[str, float]:
   import multiprocessing as mp
 
-  from jaxrl_async.runtime import child
-  from jaxrl_async.runtime.buffer_service import BufferService
+  from jaxrl_async.backends.processes import child
+  from jaxrl_async.backends.processes.buffer_service import BufferService
   per_producer = num_samples // group_size // num_producers
   budget = int(np.floor((1 + staleness_threshold) * groups_per_version))
   buffer = VersionedBuffer(group_size=group_size, groups_per_version=groups_per_version,
@@ -234,7 +234,7 @@ def main() -> None:
                 staleness_threshold=args.staleness_threshold,
                 groups_per_batch=args.groups_per_batch)
   if args.cross_process:
-    from jaxrl_async.runtime.buffer_service import TRANSPORTS
+    from jaxrl_async.backends.processes.buffer_service import TRANSPORTS
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
     unknown = sorted(set(transports) - set(TRANSPORTS))
     if unknown or not transports:

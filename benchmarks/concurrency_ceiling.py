@@ -112,34 +112,36 @@ def _role_loops(bindings=()):
   import jax
 
   import gin
-  from jaxrl_async import compilation_cache, controller
+  from jaxrl_async import compilation_cache
   from jaxrl_async.config import RunConfig
+  from jaxrl_async.run import build as build_lib
   from launch.train import DEFAULT_GIN, load_config
   compilation_cache.enable()
   load_config([DEFAULT_GIN], list(bindings))
-  parts = controller.build(gin.get_configurable(RunConfig)(), log=lambda *a: None)
+  parts = build_lib.build(gin.get_configurable(RunConfig)(), log=lambda *a: None)
   cfg = parts.config
-  batcher = parts.new_batcher()
-  batcher.set_params(parts.engine.load_params(controller.copy_params(parts.state.params)), 0)
+  batcher = parts.rollout.new_batcher()
+  params = build_lib.copy_params(parts.learner.initial_state.params)
+  batcher.set_params(parts.rollout.engine.load_params(params), 0)
   next_group = [0]
 
   def rollout_batch():
     requests = []
     for _ in range(cfg.groups_per_update):
-      requests += controller.make_group_requests(next(parts.prompt_iterator), next_group[0],
+      requests += build_lib.make_group_requests(next(parts.rollout.prompts), next_group[0],
                                                  cfg.group_size, cfg.seed)
       next_group[0] += 1
-    samples = parts.rewards.score_all(batcher.run_to_completion(requests))
-    return controller.assemble_groups(parts, samples)
+    samples = parts.rollout.rewards.score_all(batcher.run_to_completion(requests))
+    return build_lib.assemble_groups(parts.config, samples)
 
   data = [rollout_batch() for _ in range(16)]
-  state = [parts.state]
+  state = [parts.learner.initial_state]
 
   def learn(n, marks=None, half=False):
     for i in range(n):
       groups = data[i % len(data)]
       groups = groups[:max(1, len(groups) // 2)] if half else groups
-      state[0], metrics = controller.learner_update(parts, state[0], groups, None, 0, 0)
+      state[0], metrics = build_lib.learner_update(parts.learner, state[0], groups, None, 0, 0)
       jax.device_get(metrics)
       if marks is not None:
         marks.append(time.time())
@@ -152,12 +154,12 @@ def _role_loops(bindings=()):
 
   learn(3 * len(data))  # every packed shape of the data compiled
   roll(4)
-  return learn, roll, parts.rewards.close
+  return learn, roll, parts.rollout.rewards.close
 
 
 def _roles(batches: int, bindings=()) -> dict:
   """The learner loop and the rollout loop of the default run: alone, then in two threads."""
-  from jaxrl_async.controller import GIL_SWITCH_INTERVAL_S
+  from jaxrl_async.roles import GIL_SWITCH_INTERVAL_S
   learn, roll, close = _role_loops(bindings)
   roll(batches // 4)
   learner_s = _in_threads(lambda: learn(batches))
@@ -214,7 +216,7 @@ def _roles_processes(batches: int, bindings, one_process: dict) -> dict:
   processes backend's async samples/s over sync's, before any coupling between the roles.
   `<role>_beside_ms_per_batch`: each role's batches while the other ran (how much each slows
   the other; the layout is uneven, so they need not slow alike)."""
-  from jaxrl_async.runtime import child
+  from jaxrl_async.backends.processes import child
   _, (server_cores,) = child.core_shares(1)
   context = mp.get_context("spawn")
   spans = {}

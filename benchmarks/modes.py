@@ -34,9 +34,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gin
-from jaxrl_async import compilation_cache, controller, report
+from jaxrl_async import compilation_cache, report
 from jaxrl_async import config as config_lib
 from jaxrl_async.metrics import read_jsonl
+from jaxrl_async.run import api
 from launch import train
 
 MODES = ("sync", "on_policy", "stream_off_policy", "async_stale", "async_partial")
@@ -49,7 +50,7 @@ def run_mode(mode: str, bindings: list[str], run_dir: str, backend: str = "threa
     bindings = [*bindings, f"RunConfig.backend = '{backend}'"]
   train.load_config([f"gin/modes/{mode}.gin"], bindings)
   config = gin.get_configurable(config_lib.RunConfig)()
-  summary = controller.run(config, run_dir, progress=False, log=lambda *a: None)
+  summary = api.run(config, run_dir, progress=False, log=lambda *a: None)
   records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
   curve = [(r["time_s"], r["samples"], r["eval/accuracy"]) for r in records
            if "eval/accuracy" in r]

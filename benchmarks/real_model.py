@@ -38,13 +38,14 @@ import jax
 import numpy as np
 
 from benchmarks.common import emit_json_line
-from jaxrl_async import compilation_cache, controller, sharding
+from jaxrl_async import compilation_cache, sharding
 from jaxrl_async.learner import step as step_lib
 from jaxrl_async.learner.batching import pack
 from jaxrl_async.model import get_config, init_model, param_logical_axes, split_model
 from jaxrl_async.rollout.engine import Engine
 from jaxrl_async.rollout.generation import ContinuousBatcher
 from jaxrl_async.rollout.sampling import SamplingConfig
+from jaxrl_async.run import build as build_lib
 from jaxrl_async.tasks.base import Problem
 
 
@@ -73,7 +74,7 @@ def _requests(args, vocab_size: int, group_offset: int = 0):
   requests = []
   for p in range(args.prompts):
     problem = Problem(prompt_id=p, prompt_tokens=rng.integers(0, vocab_size, args.prompt_len))
-    requests += controller.make_group_requests(problem, group_offset + p, args.samples,
+    requests += build_lib.make_group_requests(problem, group_offset + p, args.samples,
                                                args.seed)
   return requests
 

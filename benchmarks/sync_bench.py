@@ -112,7 +112,7 @@ def bench_preset(name: str, learner_mesh, rollout_mesh, repeats: int, warmup: in
 
 def fetch_in_child(kind: str, location: str, preset: str, versions: int, conn) -> None:
   """In the child: for each version, wait, fetch, block until ready, send (version, time)."""
-  from jaxrl_async.runtime.shm_channel import SharedMemoryWeightChannel
+  from jaxrl_async.sync.shm_channel import SharedMemoryWeightChannel
   _, abstract, _ = model.abstract_params(model.get_config(preset))
   if kind == "shm":
     channel = SharedMemoryWeightChannel.attach(location, abstract)
@@ -133,8 +133,8 @@ def fetch_in_child(kind: str, location: str, preset: str, versions: int, conn) -
 def bench_cross_process(name: str, repeats: int, warmup: int) -> dict:
   import multiprocessing as mp
 
-  from jaxrl_async.runtime import child
-  from jaxrl_async.runtime.shm_channel import SharedMemoryWeightChannel
+  from jaxrl_async.backends.processes import child
+  from jaxrl_async.sync.shm_channel import SharedMemoryWeightChannel
   config = model.get_config(name)
   decoder = model.init_model(config, seed=0)
   _, params = model.split_model(decoder)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any
 
 import grain
@@ -149,9 +150,21 @@ class RunCheckpointer:
         continue
       if failures:
         self.log(f"resuming from checkpoint {step}, the newest that reads back whole")
+        self._set_aside([s for s in steps if s > step])
       return restored
     raise CheckpointError(f"no checkpoint under {self.directory} reads back whole: "
                           + "; ".join(failures))
+
+  def _set_aside(self, steps: list[int]) -> None:
+    """Moves unreadable checkpoints out of the manager's directory (to `<directory>.unreadable/`,
+    kept for inspection), so the resumed run can save those versions again."""
+    aside = self.directory + ".unreadable"
+    os.makedirs(aside, exist_ok=True)
+    for step in steps:
+      target = os.path.join(aside, f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
+      os.replace(os.path.join(self.directory, str(step)), target)
+      self.log(f"checkpoint {step} moved aside to {target}")
+    self._manager.reload()
 
   def close(self) -> None:
     self.wait_until_finished()

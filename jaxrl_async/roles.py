@@ -4,9 +4,29 @@ the role's name; a closed buffer is a normal way to end."""
 
 from __future__ import annotations
 
+import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from jaxrl_async.buffer import BufferClosed
+
+# Roles hand the GIL to each other around every device call; Python's default 5 ms switch
+# interval makes a role wait that long for it (about +7% samples/s at 0.5 ms, async_stale, CPU).
+# The same holds for a process's service threads (the buffer service beside the learner, a
+# rollout server's reward and control threads beside its loop).
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
+@contextmanager
+def short_gil_switch() -> Iterator[None]:
+  """Python's GIL switch interval at GIL_SWITCH_INTERVAL_S inside, restored after."""
+  previous = sys.getswitchinterval()
+  sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+  try:
+    yield
+  finally:
+    sys.setswitchinterval(previous)
 
 
 class RoleThread:

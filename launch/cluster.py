@@ -1,7 +1,7 @@
 """What a cluster launch starts: one process per host, `jax.distributed` settings and a role each.
 
 Role placement: every process joins the learner's global mesh (one SPMD program,
-`jaxrl_async.runtime.distributed`); process 0 is also the controller, the one process that
+`jaxrl_async.distributed`); process 0 is also the controller, the one process that
 writes results (metrics, checkpoints, the learner check's output). `JAXRL_ROLE` tells each
 process which it is ('controller,learner' or 'learner').
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import shlex
 
-from jaxrl_async.runtime.distributed import DEFAULT_COORDINATOR_PORT, ClusterSpec
+from jaxrl_async.distributed import DEFAULT_COORDINATOR_PORT, ClusterSpec
 
 DEFAULT_COMMAND = ("python", "-m", "launch.learner_check", "--mesh", "1,-1,1")
 CONTROLLER_ROLE = "controller,learner"

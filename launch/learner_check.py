@@ -19,7 +19,7 @@ import sys
 
 import numpy as np
 
-from jaxrl_async.runtime import distributed
+from jaxrl_async import distributed
 from jaxrl_async.sharding import MeshShape
 
 GROUP_SIZE = 4

@@ -18,9 +18,11 @@ import sys
 import time
 
 import gin
-from jaxrl_async import compilation_cache, controller
+from jaxrl_async import compilation_cache
 from jaxrl_async import config as config_lib
 from jaxrl_async.checkpoint import CheckpointError, check_run_dir
+from jaxrl_async.run import api
+from jaxrl_async.run import build as build_lib
 
 GIN_DIR = pathlib.Path(__file__).resolve().parent.parent / "gin"
 DEFAULT_GIN = "gin/modes/async_partial.gin"
@@ -99,7 +101,8 @@ def main(argv=None) -> int:
     run_dir = args.run_dir or os.path.join(
         "runs", f"{config.mode}-{time.strftime('%Y%m%d-%H%M%S')}")
     check_run_dir(run_dir, args.resume)
-    parts = controller.build(config)
+    api.check_backend(config)
+    parts = build_lib.build(config)
   except SyntaxError as error:  # gin's parser: quote the line, bindings are joined in order
     print(f"jaxrl-async train: configuration error: gin syntax in "
           f"{error.filename or 'the bindings'}, line {error.lineno}: {error.text!r}: "
@@ -114,8 +117,8 @@ def main(argv=None) -> int:
   print(f"run_dir: {os.path.abspath(run_dir)} (mode {config.mode}, "
         f"{config.num_versions} policy versions, {config.total_samples} samples)")
   try:
-    summary = controller.run_parts(parts, run_dir, resume=args.resume,
-                                   progress=not args.no_progress)
+    summary = api.train(parts, run_dir, resume=args.resume,
+                        progress=not args.no_progress).summary
   except KeyboardInterrupt:
     print(f"\ninterrupted; resume with --resume --run_dir {run_dir}", file=sys.stderr)
     return 130

@@ -12,8 +12,8 @@ import sys
 import time
 
 from jaxrl_async import ledger as ledger_lib
+from jaxrl_async.backends import base as fleet
 from jaxrl_async.metrics import read_jsonl
-from jaxrl_async.runtime import fleet
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,5 +1,5 @@
-"""Ctrl-C (SIGINT) in an async run: the command stops within seconds with exit code 130 and a
-checkpoint, and `--resume` continues from it to the end."""
+"""Ctrl-C (SIGINT) in an async run, on every backend: the command stops within seconds with exit
+code 130 and a checkpoint, and `--resume` continues from it to the end with clean books."""
 
 import os
 import signal
@@ -21,10 +21,28 @@ BINDINGS = run_lives.TINY_BINDINGS + (
 STOP_WITHIN_S = 15.0
 
 
-def _command(run_dir, total_samples, *extra):
+BACKENDS = {
+    "threads": (),
+    "processes": ("RunConfig.backend = 'processes'", "RunConfig.heartbeat_timeout_s = 10.0"),
+    "ray": ("RunConfig.backend = 'ray'", "RunConfig.ray_rollout_cpus = 0.5",
+            "RunConfig.heartbeat_timeout_s = 10.0"),
+}
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+  """A local Ray cluster on the loopback interface, for the runs of the 'ray' case."""
+  pytest.importorskip("ray")
+  from jaxrl_async.backends.ray import placement
+  cluster = placement.start_local_cluster([{"num_cpus": 2}])
+  yield cluster.address
+  placement.stop_local_cluster(cluster)
+
+
+def _command(run_dir, total_samples, *extra, backend="threads"):
   command = [sys.executable, "-m", "launch.train", "--gin_file", "gin/modes/async_partial.gin",
              "--run_dir", str(run_dir), "--no_progress", *extra]
-  for binding in (*BINDINGS, f"RunConfig.total_samples = {total_samples}"):
+  for binding in (*BINDINGS, *BACKENDS[backend], f"RunConfig.total_samples = {total_samples}"):
     command += ["--gin_bindings", binding]
   return command
 
@@ -44,13 +62,17 @@ def _versions(run_dir):
 
 
 @pytest.mark.slow
-def test_sigint_stops_an_async_run_with_a_checkpoint_that_resumes(tmp_path):
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_sigint_stops_an_async_run_with_a_checkpoint_that_resumes(backend, tmp_path, request):
   env = {**os.environ, "JAXRL_ASYNC_CACHE": str(tmp_path / "cache"),
          "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  if backend == "ray":
+    env.update(RAY_ADDRESS=request.getfixturevalue("ray_address"),
+               RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
   run_dir = tmp_path / "run"
   # Started with SIGINT ignored, as a background job of a non-interactive shell starts it
   # (a CI runner's, a `nohup ... &`): the run must stop on SIGINT all the same.
-  process = subprocess.Popen(_command(run_dir, 10_000_000), cwd=ROOT, env=env,
+  process = subprocess.Popen(_command(run_dir, 10_000_000, backend=backend), cwd=ROOT, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              preexec_fn=_ignore_sigint)
   try:
@@ -81,9 +103,12 @@ def test_sigint_stops_an_async_run_with_a_checkpoint_that_resumes(tmp_path):
   saved = steps[0]
 
   # Resume with a budget two versions past the checkpoint: it finishes there.
-  resumed = subprocess.run(_command(run_dir, (saved + 2) * PER_VERSION, "--resume"), cwd=ROOT,
-                           env=env, capture_output=True, text=True, timeout=300)
+  resumed = subprocess.run(_command(run_dir, (saved + 2) * PER_VERSION, "--resume",
+                                    backend=backend), cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=300)
   assert resumed.returncode == 0, resumed.stderr
   versions = _versions(run_dir)
   assert versions[-2:] == [saved + 1, saved + 2], versions
   assert sorted(set(versions)) == list(range(1, saved + 3))  # no version missing
+  # Every sample of both lives consumed once or dropped once under its reason.
+  run_lives.check_books(run_lives.books(run_dir), saved + 2)

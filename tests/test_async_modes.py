@@ -10,11 +10,11 @@ import threading
 
 import pytest
 
-from jaxrl_async import controller
-from jaxrl_async.async_controller import RoleFailed
+from jaxrl_async.backends.base import RoleFailed
 from jaxrl_async.config import RunConfig
 from jaxrl_async.learner.sft import WarmStartConfig
 from jaxrl_async.metrics import read_jsonl
+from jaxrl_async.run import api
 from jaxrl_async.tasks.reverse import DigitReverseTask
 
 GROUP_SIZE = 4
@@ -40,7 +40,7 @@ def quiet(*args, **kwargs):
 def run_mode(config: RunConfig, run_dir) -> tuple[dict, list[dict]]:
   """Runs to the end (a role error would raise RoleFailed here); returns the summary and the
   per-version records."""
-  summary = controller.run(config, str(run_dir), progress=False, log=quiet)
+  summary = api.run(config, str(run_dir), progress=False, log=quiet)
   records = read_jsonl(os.path.join(str(run_dir), "metrics.jsonl"))
   return summary, [r for r in records if "algo/version_gap_max" in r]
 
@@ -152,7 +152,7 @@ def test_a_failing_rollouter_stops_the_run_with_its_error(tmp_path):
   task = FailingPromptsTask(DigitReverseTask(0, max_len=8), limit=6)
   config = small_config(50, mode="on_policy", task=task)  # far more prompts than it will get
   with pytest.raises(RoleFailed, match="rollouter") as info:
-    controller.run(config, str(tmp_path), progress=False, log=quiet)
+    api.run(config, str(tmp_path), progress=False, log=quiet)
   chain, error = [], info.value
   while error is not None:
     chain.append(error)

@@ -97,7 +97,7 @@ exit $status
 
 @pytest.mark.slow
 def test_sbatch_job_runs_the_learner_check_on_two_tasks(tmp_path):
-  from tests.runtime.test_distributed import _free_port
+  from tests.backends.test_distributed import _free_port
   script = tmp_path / "job.sbatch"
   args = slurm.parse_args(["--nodes", "2", "--port", str(_free_port()), "--workdir", REPO])
   script.write_text(slurm.render(args))  # what `launch.slurm.launch` hands to sbatch

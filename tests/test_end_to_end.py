@@ -16,11 +16,12 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl_async import controller
 from jaxrl_async.checkpoint import RunCheckpointer
 from jaxrl_async.config import RunConfig
 from jaxrl_async.learner.sft import WarmStartConfig
 from jaxrl_async.metrics import read_jsonl
+from jaxrl_async.run import api
+from jaxrl_async.run import build as build_lib
 from jaxrl_async.tasks import prompts as prompts_lib
 from jaxrl_async.tasks.reverse import DigitReverseTask
 
@@ -78,10 +79,10 @@ def sync_runs(tmp_path_factory):
   longer = dataclasses.replace(short, total_samples=6 * SAMPLES_PER_VERSION)
   out = {"run_dir": run_dir, "config": short}
 
-  parts = controller.build(short, log=quiet)
-  out["base_params"] = host_copy(parts.state.params)
-  out["summary"] = controller.run_parts(parts, run_dir, progress=False, log=quiet)
-  out["params"] = host_copy(parts.state.params)
+  parts = build_lib.build(short, log=quiet)
+  out["base_params"] = host_copy(parts.learner.initial_state.params)
+  result = api.train(parts, run_dir, progress=False, log=quiet)
+  out["summary"], out["params"] = result.summary, host_copy(result.state.params)
   out["records"] = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
   checkpoints = os.path.join(run_dir, "checkpoints")
   out["checkpoint_steps"] = sorted(int(name) for name in os.listdir(checkpoints)
@@ -93,24 +94,23 @@ def sync_runs(tmp_path_factory):
     out["summary_file"] = json.load(f)
 
   logs = []
-  parts = controller.build(longer, log=quiet)
-  out["resumed_summary"] = controller.run_parts(parts, run_dir, resume=True, progress=False,
-                                                log=logs.append)
+  parts = build_lib.build(longer, log=quiet)
+  result = api.train(parts, run_dir, resume=True, progress=False, log=logs.append)
+  out["resumed_summary"], out["resumed_params"] = result.summary, host_copy(result.state.params)
   out["resumed_logs"] = logs
-  out["resumed_params"] = host_copy(parts.state.params)
   records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
   out["resumed_records"] = records[len(out["records"]):]
 
-  parts = controller.build(longer, log=quiet)
-  out["again_summary"] = controller.run_parts(parts, run_dir, resume=True, progress=False,
-                                              log=quiet)
-  out["again_params"] = host_copy(parts.state.params)
+  parts = build_lib.build(longer, log=quiet)
+  result = api.train(parts, run_dir, resume=True, progress=False, log=quiet)
+  out["again_summary"], out["again_params"] = result.summary, host_copy(result.state.params)
   out["again_records"] = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))[len(records):]
 
   straight_dir = str(root / "straight")
-  parts = controller.build(longer, log=quiet)
-  out["straight_summary"] = controller.run_parts(parts, straight_dir, progress=False, log=quiet)
-  out["straight_params"] = host_copy(parts.state.params)
+  parts = build_lib.build(longer, log=quiet)
+  result = api.train(parts, straight_dir, progress=False, log=quiet)
+  out["straight_summary"], out["straight_params"] = (result.summary,
+                                                     host_copy(result.state.params))
   return out
 
 
@@ -238,7 +238,7 @@ def fault_run(tmp_path_factory):
                         eval_every_versions=FAULT_VERSIONS)
   run_dir = str(tmp_path_factory.mktemp("faults"))
   try:
-    summary = controller.run(config, run_dir, progress=False, log=quiet)
+    summary = api.run(config, run_dir, progress=False, log=quiet)
   finally:
     task.release.set()
   # Independently: the sync baseline gives group g the g-th prompt of the seeded pipeline.

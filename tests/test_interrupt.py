@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from jaxrl_async.config import RunConfig
-from jaxrl_async.controller import run
 from jaxrl_async.learner.sft import WarmStartConfig
 from jaxrl_async.metrics import read_jsonl
+from jaxrl_async.run.api import run
 from jaxrl_async.tasks.reverse import DigitReverseTask
 
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from jaxrl_async import ledger as ledger_lib
+from jaxrl_async.backends import base as fleet
 from jaxrl_async.metrics import RoleTimer
-from jaxrl_async.runtime import fleet
 from jaxrl_async.sinks import SPANS_FILE, SpanFile, read_spans, write_spans
 from jaxrl_async.types import Sample
 

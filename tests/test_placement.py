@@ -10,9 +10,12 @@ import numpy as np
 import pytest
 
 import gin
-from jaxrl_async import async_controller, controller, sharding
+from jaxrl_async import sharding
+from jaxrl_async.backends import threads
 from jaxrl_async.config import RunConfig
 from jaxrl_async.learner.sft import WarmStartConfig
+from jaxrl_async.run import api
+from jaxrl_async.run import build as build_lib
 from jaxrl_async.sharding import MeshShape
 from jaxrl_async.sync.channel import DeviceTransferChannel
 from jaxrl_async.tasks.reverse import DigitReverseTask
@@ -85,29 +88,29 @@ def test_place_roles_errors_name_the_setting(learner, rollout, ids, message):
 
 def test_build_rejects_a_placement_that_does_not_fit():
   with pytest.raises(ValueError, match="do not fit"):
-    controller.build(small_config(learner_mesh=MeshShape(fsdp=4),
+    build_lib.build(small_config(learner_mesh=MeshShape(fsdp=4),
                                   rollout_mesh=MeshShape(fsdp=5)), log=quiet)
 
 
 # ---- one update + one publish: the same params as an unsplit run ---------------------------------
 @pytest.fixture(scope="module")
 def parts_pair():
-  unsplit = controller.build(small_config(learner_mesh=MeshShape(data=1, fsdp=4, tensor=1)),
+  unsplit = build_lib.build(small_config(learner_mesh=MeshShape(data=1, fsdp=4, tensor=1)),
                              log=quiet)
-  split = controller.build(small_config(**SPLIT), log=quiet)
+  split = build_lib.build(small_config(**SPLIT), log=quiet)
   return unsplit, split
 
 
 def _one_version_of_groups(parts):
   cfg = parts.config
-  batcher = parts.new_batcher()
-  batcher.set_params(controller.copy_params(parts.state.params), 0)
+  batcher = parts.rollout.new_batcher()
+  batcher.set_params(build_lib.copy_params(parts.learner.initial_state.params), 0)
   requests = []
   for group_id in range(cfg.groups_per_version):
-    requests += controller.make_group_requests(next(parts.prompt_iterator), group_id,
+    requests += build_lib.make_group_requests(next(parts.rollout.prompts), group_id,
                                                cfg.group_size, cfg.seed)
   by_group: dict[int, list] = {}
-  for sample in parts.rewards.score_all(batcher.run_to_completion(requests)):
+  for sample in parts.rollout.rewards.score_all(batcher.run_to_completion(requests)):
     by_group.setdefault(sample.group_id, []).append(sample)
   groups = [sorted(group, key=lambda s: s.meta["index_in_group"])
             for _, group in sorted(by_group.items())]
@@ -118,7 +121,7 @@ def _one_version_of_groups(parts):
 
 def test_split_build_places_each_role_on_its_own_devices(parts_pair):
   _, split = parts_pair
-  assert device_ids(split.state) == {0, 1, 2, 3}
+  assert device_ids(split.learner.initial_state) == {0, 1, 2, 3}
   assert set(split.rollout_mesh.devices.flat) == set(jax.devices()[4:])
   groups, batcher = _one_version_of_groups(split)
   assert len(groups) == split.config.groups_per_version
@@ -132,19 +135,20 @@ def test_split_build_places_each_role_on_its_own_devices(parts_pair):
 
 def test_update_and_publish_equal_the_unsplit_run(parts_pair):
   unsplit, split = parts_pair
-  start = jax.device_get(unsplit.state.params)
-  jax.tree.map(np.testing.assert_array_equal, start, jax.device_get(split.state.params))
+  start = jax.device_get(unsplit.learner.initial_state.params)
+  jax.tree.map(np.testing.assert_array_equal, start, jax.device_get(split.learner.initial_state.params))
   groups, _ = _one_version_of_groups(unsplit)
   results = {}
   for name, parts in (("unsplit", unsplit), ("split", split)):
-    parts.state, _ = controller.learner_update(parts, parts.state, groups, None, 0, 0)
-    channel = DeviceTransferChannel(parts.logical_axes, parts.rollout_mesh)
-    channel.publish(1, parts.state.params)
-    results[name] = (parts.state.params, channel.fetch()[1])
+    state = jax.tree.map(lambda x: x.copy(), parts.learner.initial_state)
+    state, _ = build_lib.learner_update(parts.learner, state, groups, None, 0, 0)
+    channel = DeviceTransferChannel(parts.learner.spec.logical_axes, parts.rollout_mesh)
+    channel.publish(1, state.params)
+    results[name] = (state.params, channel.fetch()[1])
   learner_params, published = results["split"]
   assert device_ids(learner_params) == {0, 1, 2, 3}
   assert device_ids(published) == {4, 5, 6, 7}
-  expected = sharding.param_shardings(split.logical_axes, published, split.rollout_mesh)
+  expected = sharding.param_shardings(split.learner.spec.logical_axes, published, split.rollout_mesh)
   assert all(jax.tree.leaves(jax.tree.map(lambda x, s: x.sharding == s, published, expected)))
   for got, want in zip(results["split"], results["unsplit"]):
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(got), jax.device_get(want))
@@ -155,11 +159,11 @@ def test_update_and_publish_equal_the_unsplit_run(parts_pair):
 
 def test_the_async_weight_channel_publishes_onto_the_rollout_mesh(parts_pair, tmp_path):
   _, split = parts_pair
-  channel = async_controller.make_channel(split, tmp_path)
-  channel.publish(7, split.state.params)
+  channel = threads.make_channel(split, tmp_path)
+  channel.publish(7, split.learner.initial_state.params)
   version, fetched = channel.fetch()
   assert version == 7 and device_ids(fetched) == {4, 5, 6, 7}
-  assert device_ids(split.state.params) == {0, 1, 2, 3}  # the learner's stay where they were
+  assert device_ids(split.learner.initial_state.params) == {0, 1, 2, 3}  # the learner's stay where they were
   channel.close()
 
 
@@ -168,21 +172,23 @@ def test_the_async_weight_channel_publishes_onto_the_rollout_mesh(parts_pair, tm
     ("sync", dict()),
     ("async_partial", dict(staleness_threshold=1.0, partial_rollout=True)),
 ], ids=["sync", "async_partial"])
-def test_split_run_trains_with_the_engine_on_the_rollout_devices(tmp_path, mode, overrides):
+def test_split_run_trains_with_the_engine_on_the_rollout_devices(tmp_path, mode, overrides,
+                                                                 monkeypatch):
   config = small_config(3, mode=mode, **SPLIT, **overrides)
-  parts = controller.build(config, log=quiet)
+  parts = build_lib.build(config, log=quiet)
   batchers = []
-  make_batcher = parts.new_batcher
+  make_batcher = build_lib.RolloutSide.new_batcher
 
-  def recording_batcher():
-    batchers.append(make_batcher())
+  def recording_batcher(side):
+    batchers.append(make_batcher(side))
     return batchers[-1]
 
-  parts.new_batcher = recording_batcher
-  summary = controller.run_parts(parts, tmp_path, progress=False, log=quiet)
+  monkeypatch.setattr(build_lib.RolloutSide, "new_batcher", recording_batcher)
+  result = api.train(parts, tmp_path, progress=False, log=quiet)
+  summary = result.summary
   assert summary["policy_version"] == config.num_versions
   assert summary["consumed_samples"] == config.total_samples
-  assert device_ids(parts.state) == {0, 1, 2, 3}
+  assert device_ids(result.state) == {0, 1, 2, 3}
   assert len(batchers) == 2  # the rollout's and the evaluator's
   for batcher in batchers:
     assert device_ids(batcher.params) == {4, 5, 6, 7}

@@ -15,8 +15,9 @@ pytest.importorskip("jinja2")
 
 import gin
 from jaxrl_async import config as config_lib
-from jaxrl_async import controller
 from jaxrl_async.model import weights
+from jaxrl_async.run import api
+from jaxrl_async.run import build as build_lib
 from launch import train
 
 from .tasks.data_files import gsm8k_rows, write_jsonl
@@ -53,7 +54,7 @@ def test_a_checkpoint_with_too_small_a_vocabulary_for_the_tokenizer_is_refused(t
                    f"CHECKPOINT_DIR = '{small}'", "TextTask.max_prompt_len = 220",
                    "TextTask.max_response_len = 16")
   with pytest.raises(ValueError, match=r"embeds only vocab_size=100"):
-    controller.build(config, log=lambda *a: None)
+    build_lib.build(config, log=lambda *a: None)
 
 
 @pytest.mark.slow
@@ -69,18 +70,18 @@ def test_async_run_on_a_tiny_qwen2_checkpoint_and_a_gsm8k_file(tmp_path):
       "LearnerConfig.weight_decay = 0.1")
   assert config.mode == "async_stale" and config.num_versions == 3
   logged = []
-  parts = controller.build(config, log=logged.append)
+  parts = build_lib.build(config, log=logged.append)
 
   # The checkpoint was loaded (no warm start), with the gin file's dtypes and remat.
   assert any(str(CHECKPOINT) in str(line) for line in logged)
   assert not any("warm start" in str(line) for line in logged)
-  model_config = parts.model_config
+  model_config = parts.learner.spec.model_config
   assert model_config.qkv_bias and model_config.tie_embeddings and model_config.remat
   assert (model_config.dtype, model_config.param_dtype) == ("bfloat16", "float32")
   expected = weights.load_params(CHECKPOINT, model_config)
-  for ours, theirs in zip(jax.tree.leaves(parts.state.params), jax.tree.leaves(expected)):
+  for ours, theirs in zip(jax.tree.leaves(parts.learner.initial_state.params), jax.tree.leaves(expected)):
     np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
-  initial = jax.tree.map(np.asarray, parts.state.params)
+  initial = jax.tree.map(np.asarray, parts.learner.initial_state.params)
 
   # The tokenizer is the checkpoint's: prompts are its chat template's rendering.
   tokenizer = parts.task.tokenizer
@@ -91,7 +92,8 @@ def test_async_run_on_a_tiny_qwen2_checkpoint_and_a_gsm8k_file(tmp_path):
   assert parts.task.tokenizer.eos_id == tokenizer.token_to_id("<|im_end|>")
 
   run_dir = tmp_path / "run"
-  summary = controller.run_parts(parts, run_dir, progress=False, log=logged.append)
+  result = api.train(parts, run_dir, progress=False, log=logged.append)
+  summary = result.summary
   assert summary["mode"] == "async_stale"
   assert summary["policy_version"] == 3 and summary["learner_step"] == 3
   assert summary["consumed_samples"] == 12
@@ -107,7 +109,7 @@ def test_async_run_on_a_tiny_qwen2_checkpoint_and_a_gsm8k_file(tmp_path):
   assert (run_dir / "summary.json").exists() and any((run_dir / "checkpoints").iterdir())
 
   # The weights changed, and export writes a checkpoint that reads back as the same model.
-  final = parts.state.params
+  final = result.state.params
   assert any(not np.array_equal(a, np.asarray(b))
              for a, b in zip(jax.tree.leaves(initial), jax.tree.leaves(final)))
   out = tmp_path / "exported"

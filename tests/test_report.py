@@ -8,10 +8,11 @@ import re
 
 import pytest
 
-from jaxrl_async import cli, controller, report
+from jaxrl_async import cli, report
 from jaxrl_async.config import RunConfig
 from jaxrl_async.learner.sft import WarmStartConfig
 from jaxrl_async.metrics import ROLES
+from jaxrl_async.run import api
 from jaxrl_async.tasks.reverse import DigitReverseTask
 
 pytest.importorskip("matplotlib")
@@ -37,7 +38,7 @@ def two_runs(tmp_path_factory):
   dirs = []
   for name, config in configs.items():
     run_dir = str(root / name)
-    controller.run(config, run_dir, progress=False, log=lambda *a: None)
+    api.run(config, run_dir, progress=False, log=lambda *a: None)
     dirs.append(run_dir)
   out = str(root / "report")
   return {"dirs": dirs, "out": out, "paths": report.write_report(dirs, out)}

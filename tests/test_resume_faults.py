@@ -13,10 +13,11 @@ import os
 import numpy as np
 import pytest
 
-from jaxrl_async import controller, faults
-from jaxrl_async.async_controller import RoleFailed
+from jaxrl_async import faults
+from jaxrl_async.backends.base import RoleFailed
 from jaxrl_async.checkpoint import CheckpointError
 from jaxrl_async.ledger import LEDGER_FILE, read_events
+from jaxrl_async.run import api
 from tests.test_end_to_end import GROUP_SIZE, SAMPLES_PER_VERSION, quiet, small_config
 
 
@@ -49,7 +50,7 @@ def _check_books(run_dir, num_versions):
   summary = _summary(run_dir)
   assert summary["ledger/missing"] == 0, summary
   assert summary["ledger/duplicates"] == 0, summary
-  assert summary["ledger/produced"] == summary["rollout/next_group_id"] * GROUP_SIZE
+  assert summary["ledger/produced"] == summary["rollout/produced_groups"] * GROUP_SIZE
   assert summary["policy_version"] == num_versions
   return summary
 
@@ -63,14 +64,14 @@ def test_groups_taken_before_a_checkpoint_survive_a_crash_after_it(tmp_path):
   # rollout being ahead by chance).
   faults.configure("learner.trained=delay:1.0@6,checkpoint.after_write=raise@2")
   with pytest.raises(RoleFailed, match="injected at fault point checkpoint.after_write"):
-    controller.run(config, run_dir, progress=False, log=quiet)
+    api.run(config, run_dir, progress=False, log=quiet)
   faults.configure(None)
   taken = _saved_run_state(run_dir, 6)["taken"]
   # The learner takes the next update's groups before it publishes a version; they are there
   # (this is the case that used to be lost).
   assert len(taken) == config.groups_per_update
   taken_ids = {group[0]["group_id"] for group in taken}
-  controller.run(config, run_dir, resume=True, progress=False, log=quiet)
+  api.run(config, run_dir, resume=True, progress=False, log=quiet)
   _check_books(run_dir, config.num_versions)
   events = read_events(os.path.join(run_dir, LEDGER_FILE))
   first_resumed = next(e for e in events if e["event"] == "consumed" and e["policy_version"] == 7)
@@ -82,12 +83,12 @@ def test_a_full_disk_stops_the_run_and_it_resumes_from_the_last_good_checkpoint(
   run_dir = str(tmp_path / "run")
   faults.configure("checkpoint.before_write=raise:ENOSPC@3")
   with pytest.raises(RoleFailed, match="No space left on device") as caught:
-    controller.run(config, run_dir, progress=False, log=quiet)
+    api.run(config, run_dir, progress=False, log=quiet)
   assert isinstance(caught.value.__cause__, CheckpointError)
   faults.configure(None)
   assert sorted(int(n) for n in os.listdir(os.path.join(run_dir, "checkpoints"))
                 if n.isdigit()) == [3, 6]
-  controller.run(config, run_dir, resume=True, progress=False, log=quiet)
+  api.run(config, run_dir, resume=True, progress=False, log=quiet)
   _check_books(run_dir, config.num_versions)
 
 
@@ -124,7 +125,7 @@ def test_bad_rewards_are_counted_and_never_trained_on(tmp_path, mode):
     settings.update(mode=mode, staleness_threshold=0.5, max_version_gap=2)
   config = dataclasses.replace(base, **settings)
   run_dir = str(tmp_path / "run")
-  summary = controller.run(config, run_dir, progress=False, log=quiet)
+  summary = api.run(config, run_dir, progress=False, log=quiet)
   events = read_events(os.path.join(run_dir, LEDGER_FILE))
   consumed_prompts = [p for e in events if e["event"] == "consumed" for p in e["prompts"]]
   assert consumed_prompts, "nothing was trained"
@@ -140,10 +141,10 @@ def test_a_crash_before_the_first_checkpoint_then_resume_starts_over_cleanly(tmp
   run_dir = str(tmp_path / "run")
   faults.configure("learner.take_publish=raise@3")
   with pytest.raises(RoleFailed, match="learner.take_publish"):
-    controller.run(config, run_dir, progress=False, log=quiet)
+    api.run(config, run_dir, progress=False, log=quiet)
   faults.configure(None)
   assert os.path.getsize(os.path.join(run_dir, LEDGER_FILE)) > 0  # versions 1, 2 were logged
-  controller.run(config, run_dir, resume=True, progress=False, log=quiet)
+  api.run(config, run_dir, resume=True, progress=False, log=quiet)
   _check_books(run_dir, config.num_versions)
   with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
     versions = [json.loads(line)["policy_version"] for line in f

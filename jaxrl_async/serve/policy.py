@@ -57,13 +57,13 @@ def _run_model(config: RunConfig):
     cache_length = config.cache_length or task.max_sequence_len
     return task, task.tokenizer, get_config(config.model, vocab_size=task.tokenizer.vocab_size,
                                             max_seq_len=cache_length)
-  from jaxrl_async import controller
+  from jaxrl_async.run import build as build_lib
   from jaxrl_async.tasks.hf_tokenizer import HFTokenizer
   task = config.task if config.task is not None else DigitReverseTask(config.seed)
   tokenizer = (task.tokenizer if config.task is not None
                else HFTokenizer.from_dir(config.checkpoint.path))
   cache_length = config.cache_length or task.max_sequence_len
-  model_config = controller.checkpoint_model_config(config.checkpoint, task, cache_length)
+  model_config = build_lib.checkpoint_model_config(config.checkpoint, task, cache_length)
   return task, tokenizer, model_config
 
 

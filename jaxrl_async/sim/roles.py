@@ -10,7 +10,7 @@
 - `SimLearner.run` follows `LearnerRole.run` step by step: take `groups_per_update` groups,
   check them with the real `check_staleness`, update, and after `trigger_parameter_sync_step`
   updates take the groups already queued at the new version before publishing it.
-- `sync_loop` follows `controller.run_sync`: generate one version's groups, score them all,
+- `sync_loop` follows `sync_loop.run_sync`: generate one version's groups, score them all,
   update on them chunk by chunk, push the weights; each stage waits for the previous one.
 
 The buffer is called only with non-blocking arguments: admission when `available_slots > 0`,
@@ -319,7 +319,7 @@ def sync_loop(clock: Clock, *, pool: ReplicaPool, buffer: VersionedBuffer, ready
               trigger_parameter_sync_step: int, num_versions: int, state: dict,
               process: list, debug_checks: bool,
               on_version: Callable[[int, list, dict, float], None]):
-  """`controller.run_sync` on the virtual clock: each stage ends before the next begins."""
+  """`sync_loop.run_sync` on the virtual clock: each stage ends before the next begins."""
   finished: list[Sample] = []
   scored: list[Sample] = []
   # `process`: the caller puts the Process that runs this generator in it, to be woken.

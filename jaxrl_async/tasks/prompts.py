@@ -80,3 +80,24 @@ def prompt_dataset(task: base.Task, *, seed: int, split: str = "train", shuffle:
   problems = indices.map(_ProblemAt(task, split))
   problems = problems.repeat(num_epochs)
   return problems.to_iter_dataset(read_options or default_read_options())
+
+
+def shard_prompt_dataset(task: base.Task, *, seed: int, shard_index: int, shard_count: int,
+                         epoch_size: int = DEFAULT_EPOCH_SIZE) -> grain.IterDataset:
+  """Shard `shard_index` of the training prompts: every `shard_count`-th index of the shuffled
+  epoch, so shards are disjoint and together are the whole epoch (shard 0 of 1 is the
+  pipeline of `prompt_dataset`)."""
+  if not isinstance(shard_count, int) or shard_count < 1:
+    raise ValueError(f"shard_count must be an int >= 1, got {shard_count!r}")
+  if not isinstance(shard_index, int) or not 0 <= shard_index < shard_count:
+    raise ValueError(f"shard_index must be an int in [0, {shard_count}), got {shard_index!r}")
+  if shard_count == 1:
+    return prompt_dataset(task, seed=seed)
+  if getattr(task, "prompt_dataset", None) is not None:
+    raise ValueError(f"{type(task).__name__} makes its own prompt pipeline: give each rollout "
+                     "server its shard through the task (shard_index, shard_count) and use "
+                     "num_rollout_servers=1")
+  indices = grain.MapDataset.range(int(epoch_size)).shuffle(seed=int(seed))
+  indices = indices[shard_index::shard_count]
+  problems = indices.map(_ProblemAt(task, "train")).repeat(None)
+  return problems.to_iter_dataset(default_read_options())

@@ -19,7 +19,7 @@ import shlex
 import subprocess
 import sys
 
-from jaxrl_async.runtime import distributed
+from jaxrl_async import distributed
 from launch import cluster
 
 TEMPLATE = pathlib.Path(__file__).with_name("job.sbatch")

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from jaxrl_async.runtime import distributed
+from jaxrl_async import distributed
 from launch import cluster
 
 

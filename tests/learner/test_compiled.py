@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxrl_async import controller
 from jaxrl_async.config import RunConfig
 from jaxrl_async.learner.batching import blank_batch, pack, row_counts
 from jaxrl_async.learner.compiled import AheadOfTime, shape_key
 from jaxrl_async.learner.sft import WarmStartConfig
+from jaxrl_async.run import build as build_lib
 from jaxrl_async.sharding import MeshShape
 from jaxrl_async.tasks.reverse import DigitReverseTask
 from tests.learner.test_packing import _groups
@@ -79,13 +79,13 @@ def _parts(**overrides):
                      warm_start=WarmStartConfig(steps=5, batch_size=8), group_size=4,
                      mini_batch_size=2, max_concurrent_decodes=8, eval_size=8,
                      total_samples=64, **overrides)
-  return controller.build(config, log=lambda *a: None)
+  return build_lib.build(config, log=lambda *a: None)
 
 
 def _real_groups(parts, seed):
   task = parts.task
   rng = np.random.default_rng(seed)
-  problems = [next(parts.prompt_iterator) for _ in range(parts.config.groups_per_update)]
+  problems = [next(parts.rollout.prompts) for _ in range(parts.config.groups_per_update)]
   lengths = []
   for problem in problems:
     for _ in range(parts.config.group_size):
@@ -99,29 +99,29 @@ def _real_groups(parts, seed):
 @pytest.mark.parametrize("trigger", [1, 2])
 def test_the_compiled_update_equals_the_jitted_one(mesh, trigger):
   parts = _parts(learner_mesh=mesh, trigger_parameter_sync_step=trigger)
-  counts = sorted({r for (_, shapes) in parts.update.executables
+  counts = sorted({r for (_, shapes) in parts.learner.update.executables
                    for r in [shapes[0][0][0]]})
   assert counts == row_counts(parts.config.groups_per_update * parts.config.group_size,
-                              parts.seq_len,
-                              1 + min(len(p.prompt_tokens) for p in parts.eval_problems),
-                              parts.mesh.size)
+                              parts.learner.seq_len,
+                              1 + min(len(p.prompt_tokens) for p in parts.rollout.eval_problems),
+                              parts.learner.mesh.size)
   # 'recompute' with two updates a version: the anchored update is compiled too.
-  assert len(parts.update.executables) == len(counts) * (2 if trigger == 2 else 1)
-  plain = dataclasses.replace(parts, update=parts.update.jitted, logprobs=parts.logprobs.jitted)
-  window = controller.copy_params(parts.state.params)
+  assert len(parts.learner.update.executables) == len(counts) * (2 if trigger == 2 else 1)
+  plain = dataclasses.replace(parts, update=parts.learner.update.jitted, logprobs=parts.learner.logprobs.jitted)
+  window = build_lib.copy_params(parts.learner.initial_state.params)
   for seed in range(3):
     groups = _real_groups(parts, seed)
-    rows = pack(groups, parts.seq_len, num_groups=parts.config.groups_per_update,
-                row_multiple=parts.mesh.size).num_rows
+    rows = pack(groups, parts.learner.seq_len, num_groups=parts.config.groups_per_update,
+                row_multiple=parts.learner.mesh.size).num_rows
     assert rows in counts
     for local in range(trigger):
-      state = jax.tree.map(lambda x: x.copy(), parts.state)
-      before = dict(parts.update.calls)
-      ahead, ahead_metrics = controller.learner_update(parts, state, groups, window, 0, local)
-      assert parts.update.calls["ahead_of_time"] == before["ahead_of_time"] + 1
-      assert parts.update.calls["jit"] == before["jit"]
-      state = jax.tree.map(lambda x: x.copy(), parts.state)
-      jitted, jitted_metrics = controller.learner_update(plain, state, groups, window, 0, local)
+      state = jax.tree.map(lambda x: x.copy(), parts.learner.initial_state)
+      before = dict(parts.learner.update.calls)
+      ahead, ahead_metrics = build_lib.learner_update(parts.learner, state, groups, window, 0, local)
+      assert parts.learner.update.calls["ahead_of_time"] == before["ahead_of_time"] + 1
+      assert parts.learner.update.calls["jit"] == before["jit"]
+      state = jax.tree.map(lambda x: x.copy(), parts.learner.initial_state)
+      jitted, jitted_metrics = build_lib.learner_update(plain, state, groups, window, 0, local)
       for a, b in zip(jax.tree.leaves(ahead.params), jax.tree.leaves(jitted.params),
                       strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -131,23 +131,23 @@ def test_the_compiled_update_equals_the_jitted_one(mesh, trigger):
 
 def test_off_compiles_nothing_ahead():
   parts = _parts(precompile_updates=False)
-  assert parts.update.executables == {}
+  assert parts.learner.update.executables == {}
   groups = _real_groups(parts, 0)
-  controller.learner_update(parts, jax.tree.map(lambda x: x.copy(), parts.state), groups,
+  build_lib.learner_update(parts.learner, jax.tree.map(lambda x: x.copy(), parts.learner.initial_state), groups,
                             None, 0, 0)
-  assert parts.update.calls == {"ahead_of_time": 0, "jit": 1}
+  assert parts.learner.update.calls == {"ahead_of_time": 0, "jit": 1}
 
 
 def test_a_row_count_below_the_estimate_takes_the_jit_path():
   """A prompt shorter than every held-out one can pack into fewer rows than compiled."""
   parts = _parts()
-  fewest = min(shapes[0][0][0] for _, shapes in parts.update.executables)
+  fewest = min(shapes[0][0][0] for _, shapes in parts.learner.update.executables)
   short = _groups([(1, 1)] * (parts.config.groups_per_update * parts.config.group_size),
                   group_size=parts.config.group_size)
-  rows = pack(short, parts.seq_len, num_groups=parts.config.groups_per_update,
-              row_multiple=parts.mesh.size).num_rows
+  rows = pack(short, parts.learner.seq_len, num_groups=parts.config.groups_per_update,
+              row_multiple=parts.learner.mesh.size).num_rows
   assert rows < fewest
-  _, metrics = controller.learner_update(parts, jax.tree.map(lambda x: x.copy(), parts.state),
+  _, metrics = build_lib.learner_update(parts.learner, jax.tree.map(lambda x: x.copy(), parts.learner.initial_state),
                                          short, None, 0, 0)
-  assert parts.update.calls == {"ahead_of_time": 0, "jit": 1}
+  assert parts.learner.update.calls == {"ahead_of_time": 0, "jit": 1}
   assert np.isfinite(float(metrics["loss"]))

@@ -8,13 +8,13 @@ import time
 import pytest
 
 from jaxrl_async.buffer import VersionedBuffer, admission_budget
-from jaxrl_async.controller import make_group_requests
 from jaxrl_async.metrics import RoleTimer
 from jaxrl_async.model import get_config, init_model, split_model
 from jaxrl_async.rollout.engine import Engine
 from jaxrl_async.rollout.generation import ContinuousBatcher
 from jaxrl_async.rollout.rewards import RewardPool
 from jaxrl_async.rollout.rollouter import Rollouter
+from jaxrl_async.run.build import make_group_requests
 from jaxrl_async.sync.channel import DeviceTransferChannel
 from jaxrl_async.tasks import prompts as prompts_lib
 from jaxrl_async.tasks.base import Problem

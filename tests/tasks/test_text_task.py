@@ -200,7 +200,7 @@ def test_gsm8k_gin_makes_the_task(files):
 
 @pytest.mark.slow
 def test_a_gsm8k_file_trains_with_the_gin_config(files, tmp_path):
-  from jaxrl_async import controller
+  from jaxrl_async.run import api
 
   config = _load_gsm8k_gin(
       files, "TextTask.max_prompt_len = 160", "TextTask.max_response_len = 16",
@@ -209,7 +209,7 @@ def test_a_gsm8k_file_trains_with_the_gin_config(files, tmp_path):
       "RunConfig.max_concurrent_decodes = 4", "RunConfig.eval_size = 4",
       "RunConfig.eval_every_versions = 1", "RunConfig.checkpoint_every_versions = 2")
   config_task = config.task
-  summary = controller.run(config, tmp_path / "run", progress=False, log=lambda *a: None)
+  summary = api.run(config, tmp_path / "run", progress=False, log=lambda *a: None)
   assert config_task.max_response_len == 16
   assert summary["policy_version"] == 2 and summary["consumed_samples"] == 8
   assert summary["reward/ok"] == 8 and summary["reward/failed"] == 0

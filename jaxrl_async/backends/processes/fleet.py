@@ -1,0 +1,202 @@
+"""The rollout servers of a `processes` run, seen from the learner's process.
+
+`ProcessFleet` starts K `RolloutProcess`es, each on its share of the cores, and keeps them answering:
+`check()` (a heartbeat, from the controller's thread) replaces a server whose process died or
+that did not answer `health` within `heartbeat_timeout_s` (a stopped process: SIGSTOP). A
+replaced server is killed with SIGKILL, its buffer client revoked, and a new one continues its
+prompt shard and re-issues its unfinished groups, each exactly once: they are counted under
+`runtime/reissued_groups/<reason>` and `runtime/reissued_samples/<reason>` (reasons
+'server_died', 'server_unresponsive'). A server that reports an error of its own role stops the
+run with that error: restarting it would only repeat it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+from typing import Any
+
+from jaxrl_async.backends.base import Fleet, RoleFailed, keep_spans, warn_unscored
+from jaxrl_async.backends.processes import wire
+from jaxrl_async.backends.processes.buffer_service import BufferService, RemoteBufferClient
+from jaxrl_async.backends.processes.rollout_process import RolloutProcess
+from jaxrl_async.backends.rollout_server import first_start
+
+REISSUE_REASONS = ("server_died", "server_unresponsive")
+REVOKE_TIMEOUT_S = 120.0
+SPAWN_TIMEOUT_S = 600.0
+
+
+class RolloutServerFailed(RoleFailed):
+  """A rollout server's role raised, or servers kept dying past `max_restarts`."""
+
+
+class ProcessFleet(Fleet):
+  """K `RolloutProcess`es, kept answering by the heartbeat (`check`)."""
+
+  def __init__(self, config, service: BufferService, channel_spec: dict, *,
+               cores: list[list[int]], heartbeat_timeout_s: float, max_restarts: int = 8,
+               status_path: str | None = None, log=print):
+    super().__init__(len(cores), log=log)
+    self.config = config
+    self.service = service
+    self.channel_spec = channel_spec
+    self.cores = cores
+    self.heartbeat_timeout_s = heartbeat_timeout_s
+    self.max_restarts = max_restarts
+    self.status_path = status_path  # JSON: each server's pid, cores and client id
+    self.servers: list[RolloutProcess | None] = [None] * self.num_servers
+    self.client_ids: list[str] = [""] * self.num_servers
+    self._generation = [0] * self.num_servers
+    self._initial: list[dict] = [{}] * self.num_servers  # where each shard started
+    self._paused = False
+    self._restarts = 0
+    self._counts: dict[str, int] = {}
+    for reason in REISSUE_REASONS:
+      self._counts[f"runtime/reissued_groups/{reason}"] = 0
+      self._counts[f"runtime/reissued_samples/{reason}"] = 0
+    # Children die with the thread that spawned them (child.py): one thread spawns them all and
+    # lives until `stop`, whichever thread asks for a replacement.
+    self._spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fleet-spawner")
+
+  @property
+  def restarts(self) -> int:
+    return self._restarts
+
+  @property
+  def counts(self) -> dict[str, int]:
+    return dict(self._counts)
+
+  # ---- lifecycle ------------------------------------------------------------------------------
+  def start(self, restores: list[dict | None]) -> None:
+    """Starts every server (restores[k]: a checkpoint's snapshot of server k, or None)."""
+    for index, restore in enumerate(restores):
+      restore, self._initial[index] = first_start(restore, index)
+      self._spawn(index, restore)
+
+  def _spawn(self, index: int, restore: dict) -> None:
+    self._generation[index] += 1
+    client_id = f"rollout-{index}-{self._generation[index]}"
+    rollout = restore.get("rollout") or {}
+    holding = [entry for entry in rollout.get("inflight", [])
+               if entry.get("admitted")
+               or entry["missing"] != list(range(self.config.group_size))]
+    self.service.register(client_id, inflight=holding, prompt_state=restore.get("prompts"),
+                          next_group_id=rollout.get("next_group_id"))
+    buffer = RemoteBufferClient(self.service.address, self.service.authkey, client_id)
+    spec = {"config": self.config, "server_index": index, "num_servers": self.num_servers,
+            "buffer": buffer, "channel": self.channel_spec, "restore": restore}
+    server = self._spawner.submit(RolloutProcess, spec, cores=self.cores[index],
+                                  name=f"rollout-server-{index}").result(SPAWN_TIMEOUT_S)
+    self.servers[index], self.client_ids[index] = server, client_id
+    self._write_status()
+    server.start(self.heartbeat_timeout_s)
+    if self._paused:
+      server.pause(self.heartbeat_timeout_s * 6)
+
+  def _write_status(self) -> None:
+    if self.status_path is None:
+      return
+    status = [{"server": index, "pid": server.pid, "cores": server.cores,
+               "client_id": self.client_ids[index]}
+              for index, server in enumerate(self.servers) if server is not None]
+    with open(self.status_path + ".tmp", "w", encoding="utf-8") as f:
+      json.dump({"servers": status, "restarts": self._restarts}, f)
+    os.replace(self.status_path + ".tmp", self.status_path)
+
+  def replace(self, index: int, reason: str) -> None:
+    """Kills server `index` and starts its successor with the dead one's unfinished work."""
+    with self._lock:
+      if self._restarts >= self.max_restarts:
+        raise RolloutServerFailed(f"rollout servers were replaced {self._restarts} times "
+                                  f"(max_restarts={self.max_restarts}); last: server {index}, "
+                                  f"{reason}")
+      self._restarts += 1
+      server = self.servers[index]
+      server.kill()
+      self.final_counts.append(self.last_health[index].get("counts", {}))
+      orphan = self.service.revoke(self.client_ids[index], REVOKE_TIMEOUT_S)
+      inflight = orphan["inflight"]
+      self._counts[f"runtime/reissued_groups/{reason}"] += len(inflight)
+      self._counts[f"runtime/reissued_samples/{reason}"] += sum(len(e["missing"])
+                                                              for e in inflight)
+      initial = self._initial[index]
+      prompts = orphan["prompt_state"] if orphan["prompt_state"] is not None else (
+          initial["prompts"])
+      next_group_id = (orphan["next_group_id"] if orphan["next_group_id"] is not None
+                       else initial["next_group_id"])
+      self.log(f"rollout server {index} (pid {server.pid}) {reason}: replaced; "
+               f"{len(inflight)} groups re-issued")
+      self._spawn(index, {"rollout": {"next_group_id": next_group_id, "inflight": inflight},
+                          "prompts": prompts})
+
+  def check(self) -> None:
+    """One heartbeat over every server; replaces the dead and the silent."""
+    with self._lock:
+      for index, server in enumerate(self.servers):
+        if not server.alive:
+          self.replace(index, "server_died")
+          continue
+        try:
+          health = server.health(self.heartbeat_timeout_s)
+        except wire.ServiceTimeout:
+          self.replace(index, "server_unresponsive")
+          continue
+        except (wire.ServiceGone, EOFError, OSError):
+          self.replace(index, "server_died")
+          continue
+        self.last_health[index] = health
+        keep_spans(self.pending_spans, health)
+        if health["error"] is not None:
+          raise RolloutServerFailed(f"rollout server {index} failed: {health['error']}")
+
+  def _each(self, method: str, timeout: float) -> list[Any]:
+    """Calls `method` on every server; a server that died meanwhile is replaced first."""
+    results = []
+    with self._lock:
+      for index in range(self.num_servers):
+        for _ in range(2):
+          try:
+            results.append(getattr(self.servers[index], method)(timeout))
+            break
+          except (wire.ServiceTimeout, wire.ServiceGone, EOFError, OSError):
+            self.replace(index, "server_died" if not self.servers[index].alive
+                         else "server_unresponsive")
+        else:
+          raise RolloutServerFailed(f"rollout server {index} did not answer {method}")
+    return results
+
+  def pause(self, timeout: float | None = None) -> None:
+    """Pauses every server; one that does not pause within `timeout` (default: 3 heartbeat
+    timeouts, at least 30 s) is replaced as unresponsive."""
+    timeout = max(3 * self.heartbeat_timeout_s, 30.0) if timeout is None else timeout
+    with self._lock:
+      self._each("pause", timeout)
+      self._paused = True
+
+  def resume(self, timeout: float = 30.0) -> None:
+    with self._lock:
+      self._paused = False
+      self._each("resume", timeout)
+
+  def snapshots(self, timeout: float = 30.0) -> list[dict]:
+    """While paused: every server's snapshot (groups in flight, next group id, prompts)."""
+    return self._each("snapshot", timeout)
+
+  def stop(self, timeout: float = 60.0) -> None:
+    """Stops every server (each counts what it aborts as 'shutdown') and reaps them all."""
+    with self._lock:
+      for index, server in enumerate(self.servers):
+        if server is None:
+          continue
+        try:
+          if server.alive:
+            self.last_health[index] = server.stop(timeout)
+            keep_spans(self.pending_spans, self.last_health[index])
+            warn_unscored(index, self.last_health[index], self.log)
+        except (wire.ServiceTimeout, wire.ServiceGone, EOFError, OSError) as error:
+          self.log(f"rollout server {index} did not stop cleanly ({error!r}): killed")
+        finally:
+          server.kill()
+      self._spawner.shutdown(wait=True)

@@ -1,0 +1,306 @@
+"""The 'ray' backend's run: the learner in the driver, rollout servers as Ray actors.
+
+The driver (on the node that starts the run; in a cluster the head, offering the 'learner'
+resource) runs the controller and the learner role, as the processes backend does. Ray places
+the buffer actor and the weight store beside it (resource `RunConfig.ray_learner_resource`)
+and `num_rollout_servers` rollout actors on the nodes that offer the rollout resource
+(`RunConfig.ray_rollout_resource`), each asking for `ray_rollout_cpus` CPUs and
+`ray_rollout_gpus` GPUs. Each actor owns a `RolloutServer` (its engine, reward pool and prompt
+shard) reached through `RayBufferClient` and `RayWeightChannel`.
+
+Faults: Ray restarts a killed actor (`max_restarts`); the new incarnation takes over the groups
+its predecessor left unfinished from the buffer actor (`claim`: revoke the old client, register
+a new one), continues its prompt shard, and re-issues each of those groups exactly once,
+counted under `runtime/reissued_groups/actor_restarted` (and `.../server_unresponsive` when the
+driver's heartbeat killed a silent actor).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from jaxrl_async.backends.base import (
+  Backend,
+  Connection,
+  ControllerBuffer,
+  Fleet,
+  RoleFailed,
+  keep_spans,
+  warn_unscored,
+)
+from jaxrl_async.backends.processes.backend import refuse_rollout_mesh
+from jaxrl_async.backends.ray import buffer as ray_buffer
+from jaxrl_async.backends.ray import placement as ray_backend
+from jaxrl_async.backends.ray import weights as ray_weights
+from jaxrl_async.backends.ray.buffer import RayBufferClient
+from jaxrl_async.backends.ray.placement import require_ray
+from jaxrl_async.backends.ray.weights import RayWeightChannel
+from jaxrl_async.backends.rollout_server import RolloutServer
+from jaxrl_async.config import RunConfig
+from jaxrl_async.run.build import Parts, buffer_kwargs
+
+REISSUE_REASONS = ("actor_restarted", "server_unresponsive")
+RESTART_WAIT_S = 300.0  # how long the driver waits for Ray to bring a killed actor back
+MAX_RESTARTS = 8
+SILENCE_MIN_S = 60.0
+
+
+class RolloutActorFailed(RoleFailed):
+  """A rollout actor's role raised, or an actor could not be restarted."""
+
+
+class RolloutActorImpl:
+  """A `RolloutServer` in a Ray actor. On a restart (Ray re-runs this constructor) it claims
+  its predecessor's unfinished work from the buffer actor and starts at once."""
+
+  def __init__(self, config, index: int, num_servers: int, buffer_actor, store, restore):
+    ray = require_ray()
+    restarted = ray.get_runtime_context().was_current_actor_reconstructed
+    claim = ray.get(buffer_actor.claim.remote(index, restore, restarted),
+                    timeout=RESTART_WAIT_S)
+    self.server = RolloutServer(config, server_index=index, num_servers=num_servers,
+                                buffer=RayBufferClient(buffer_actor, claim["client_id"]),
+                                channel=RayWeightChannel(store), restore=claim["restore"])
+    self.client_id = claim["client_id"]
+    if restarted:
+      self.server.start()
+    ray.get(buffer_actor.ready.remote(index), timeout=RESTART_WAIT_S)
+
+  def call(self, method: str, timeout: float):
+    if method not in ("start", "pause", "resume", "snapshot", "evaluate", "health", "stop"):
+      raise AttributeError(f"a rollout server has no call {method!r}")
+    result = getattr(self.server, method)(timeout)
+    if method in ("health", "stop"):  # both answer with the server's health
+      result = {**result, "client_id": self.client_id,
+                "node_id": require_ray().get_runtime_context().get_node_id()}
+    return result
+
+
+class RayFleet(Fleet):
+  """The rollout actors seen from the driver. Ray restarts a killed actor; the heartbeat kills
+  a silent one."""
+
+  def __init__(self, config, buffer_actor, store, *, status_path: str | None = None,
+               log=print):
+    super().__init__(config.num_rollout_servers, log=log)
+    self.ray = require_ray()
+    self.config = config
+    self.buffer_actor = buffer_actor
+    self.store = store
+    self.status_path = status_path
+    self.heartbeat_timeout_s = config.heartbeat_timeout_s
+    self.actors: list = [None] * self.num_servers
+    # A server may be silent this long (a restart by Ray included) before it is killed.
+    self.silence_limit_s = max(3 * self.heartbeat_timeout_s, SILENCE_MIN_S)
+    self._last_answer = [time.monotonic()] * self.num_servers
+    self._constructor_args: list[list] = []
+
+  @property
+  def restarts(self) -> int:
+    return int(self._get(self.buffer_actor.restarts.remote()))
+
+  @property
+  def counts(self) -> dict[str, int]:
+    return dict(self._get(self.buffer_actor.reissue_counts.remote()))
+
+  def _get(self, ref, timeout: float = 60.0):
+    return self.ray.get(ref, timeout=timeout)
+
+  def start(self, restores: list[dict | None]) -> None:
+    cls = self.ray.remote(RolloutActorImpl)
+    cfg = self.config
+    for index, restore in enumerate(restores):
+      options = ray_backend.role_options(
+          node_resource=cfg.ray_rollout_resource, num_cpus=cfg.ray_rollout_cpus,
+          num_gpus=cfg.ray_rollout_gpus, max_restarts=MAX_RESTARTS, max_concurrency=4,
+          env=ray_backend.thread_env(max(1, int(cfg.ray_rollout_cpus))))
+      # The constructor's arguments stay referenced here: Ray needs them to restart the actor.
+      args = [self.ray.put(cfg), index, self.num_servers, self.buffer_actor, self.store,
+              self.ray.put(restore)]
+      self._constructor_args.append(args)
+      self.actors[index] = cls.options(**options).remote(*args)
+    for index in range(self.num_servers):
+      self._call(index, "start", RESTART_WAIT_S)
+    self.check()
+
+  def _call(self, index: int, method: str, timeout: float):
+    """One control call; while Ray restarts the actor the call is retried (the restarted
+    server is already running, so a 'start' is not repeated)."""
+    deadline = time.monotonic() + RESTART_WAIT_S
+    while True:
+      try:
+        return self._get(self.actors[index].call.remote(method, timeout),
+                         timeout + ray_backend.RPC_MARGIN_S)
+      except self.ray.exceptions.RayActorError as error:
+        if time.monotonic() > deadline:
+          raise RolloutActorFailed(f"rollout actor {index} did not come back within "
+                                   f"{RESTART_WAIT_S} s") from error
+        if method == "start":
+          return None
+        time.sleep(0.5)
+
+  def _write_status(self) -> None:
+    if self.status_path is None:
+      return
+    status = [{"server": i, "pid": h.get("pid"), "client_id": h.get("client_id"),
+               "node_id": h.get("node_id")} for i, h in enumerate(self.last_health)]
+    with open(self.status_path + ".tmp", "w", encoding="utf-8") as f:
+      json.dump({"servers": status, "restarts": self.restarts}, f)
+    os.replace(self.status_path + ".tmp", self.status_path)
+
+  def check(self) -> None:
+    """One heartbeat: a silent actor is killed (Ray restarts it); a role error stops the run."""
+    for index, actor in enumerate(self.actors):
+      try:
+        health = self._get(actor.call.remote("health", self.heartbeat_timeout_s),
+                           self.heartbeat_timeout_s)
+      except (self.ray.exceptions.GetTimeoutError, self.ray.exceptions.RayActorError) as error:
+        # Silent, or dead and being restarted by Ray (calls wait for the new incarnation).
+        now = time.monotonic()
+        if now - self._last_answer[index] > RESTART_WAIT_S:
+          raise RolloutActorFailed(f"rollout actor {index} has not answered for "
+                                   f"{RESTART_WAIT_S:.0f} s: {error!r}") from error
+        if isinstance(error, self.ray.exceptions.RayActorError):
+          continue  # died: Ray restarts it (past max_restarts this persists and fails above)
+        if self._get(self.buffer_actor.constructing.remote(index)):
+          self._last_answer[index] = now
+        elif now - self._last_answer[index] > self.silence_limit_s:
+          self.log(f"rollout actor {index} silent for {self.silence_limit_s:.0f} s: killed, "
+                   "Ray restarts it")
+          self._get(self.buffer_actor.note_unresponsive.remote(index))
+          self.ray.kill(actor, no_restart=False)
+          self._last_answer[index] = now
+        continue
+      self._last_answer[index] = time.monotonic()
+      if health.get("client_id") != self.last_health[index].get("client_id") and (
+          self.last_health[index]):
+        self.final_counts.append(self.last_health[index].get("counts", {}))
+      self.last_health[index] = health
+      keep_spans(self.pending_spans, health)
+      if health["error"] is not None:
+        raise RolloutActorFailed(f"rollout actor {index} failed: {health['error']}")
+    self._write_status()
+
+  def _each(self, method: str, timeout: float) -> list[Any]:
+    return [self._call(index, method, timeout) for index in range(self.num_servers)]
+
+  def pause(self, timeout: float | None = None) -> None:
+    self._each("pause", max(3 * self.heartbeat_timeout_s, 30.0) if timeout is None else timeout)
+
+  def resume(self, timeout: float = 30.0) -> None:
+    self._each("resume", timeout)
+
+  def snapshots(self, timeout: float = 30.0) -> list[dict]:
+    return self._each("snapshot", timeout)
+
+  def placement(self) -> dict[str, Any]:
+    """Where the actors ran (node ids of the servers' last answers, and the driver's)."""
+    nodes = sorted({h.get("node_id") for h in self.last_health if h.get("node_id")})
+    return {"ray/rollout_nodes": nodes,
+            "ray/driver_node": self.ray.get_runtime_context().get_node_id()}
+
+  def stop(self, timeout: float = 60.0) -> None:
+    """Stops every actor; rollout_servers.json then names the incarnations that stopped (a
+    restart after the last heartbeat is known only from the stop's answer)."""
+    stopped = False
+    for index, actor in enumerate(self.actors):
+      if actor is None:
+        continue
+      stopped = True
+      try:
+        self.last_health[index] = self._call(index, "stop", timeout) or self.last_health[index]
+        keep_spans(self.pending_spans, self.last_health[index])
+        warn_unscored(index, self.last_health[index], self.log)
+      except Exception as error:  # reported; the actor is killed either way
+        self.log(f"rollout actor {index} did not stop cleanly ({error!r}): killed")
+      finally:
+        self.ray.kill(actor, no_restart=True)
+        self.actors[index] = None
+    if stopped:
+      try:
+        self._write_status()
+      except Exception as error:  # the buffer actor is gone (a failed run): reported only
+        self.log(f"rollout_servers.json not updated at the stop: {error!r}")
+
+
+class DriverBuffer(ControllerBuffer):
+  """The buffer actor as the driver's controller and learner use it."""
+
+  def __init__(self, actor):
+    self.ray = require_ray()
+    self.actor = actor
+    self.client = RayBufferClient(actor, "learner")
+
+  def get_groups(self, num_groups, learner_version, timeout):
+    return self.client.get_groups(num_groups, learner_version, timeout)
+
+  @property
+  def counts(self):
+    return self.client.counts()
+
+  def get_state(self):
+    return self.client.get_state()
+
+  def set_state(self, state):
+    self.client.set_state(state)
+
+  def metrics(self):
+    return self.client.metrics()
+
+  def close(self):
+    self.client.close()
+
+  def take_drop_log(self) -> list:
+    """The buffer actor's per-sample drops since the last call, for the sample ledger."""
+    return self.ray.get(self.actor.take_drop_log.remote(), timeout=60.0)
+
+  def discard_queued(self, reason: str = "shutdown") -> int:
+    return self.ray.get(self.actor.discard_queued.remote(reason), timeout=60.0)
+
+  def check_invariants(self) -> None:
+    self.ray.get(self.actor.check_invariants.remote(), timeout=60.0)
+
+
+class RayBackend(Backend):
+  """Connects to the Ray cluster this process is attached to (`ray.init` done by the caller),
+  else to RAY_ADDRESS, else starts a local one."""
+
+  name = "ray"
+
+  def check_config(self, config: RunConfig) -> None:
+    refuse_rollout_mesh(config, self.name)
+
+  @contextmanager
+  def connect(self, parts: Parts, run_dir, log=print) -> Iterator[Connection]:
+    ray = require_ray()
+    if not ray.is_initialized():
+      address = os.environ.get("RAY_ADDRESS")
+      extra = {}
+      if address and address.startswith(ray_backend.LOOPBACK + ":"):
+        # A cluster on the loopback interface (one machine): this driver joins it there too,
+        # never on the machine's outward address.
+        extra = {"_node_ip_address": ray_backend.LOOPBACK, "namespace": "jaxrl_async"}
+      ray.init(address=address, log_to_driver=False, **extra)
+    cfg = parts.config
+    learner_place = {"node_resource": cfg.ray_learner_resource}
+    buffer_actor = ray_buffer.start_buffer_actor(buffer_kwargs(cfg), **learner_place)
+    store = ray_weights.start_weight_store(**learner_place)
+    fleet = RayFleet(cfg, buffer_actor, store,
+                     status_path=os.path.join(run_dir, "rollout_servers.json"), log=log)
+    channel = RayWeightChannel(store, parts.learner.spec.logical_axes)
+    try:
+      yield Connection(buffer=DriverBuffer(buffer_actor), channel=channel, fleet=fleet,
+                       started_groups=lambda: ray.get(buffer_actor.ledger.remote(),
+                                                      timeout=60.0))
+    finally:
+      try:
+        fleet.stop()
+      finally:
+        channel.close()
+        for actor in (buffer_actor, store):
+          ray.kill(actor, no_restart=True)
