@@ -29,113 +29,21 @@ from jaxrl_async.model.config import (
   RopeScaling,
   YarnRopeScaling,
 )
-
-# model_type -> the architecture class name transformers writes for it.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
-HF_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-DEFAULT_ROPE_THETA = 10_000.0
-
-# Transformers' defaults (4.x and 5.x agree) for the read keys a config.json may omit.
-FAMILY_DEFAULTS = {
-    "llama": {"num_key_value_heads": None, "head_dim": None, "rms_norm_eps": 1e-6,
-              "max_position_embeddings": 2048, "tie_word_embeddings": False},
-    "qwen2": {"num_key_value_heads": 32, "head_dim": None, "rms_norm_eps": 1e-6,
-              "max_position_embeddings": 32768, "tie_word_embeddings": False},
-    "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "rms_norm_eps": 1e-6,
-              "max_position_embeddings": 32768, "tie_word_embeddings": False},
-}
-REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                 "intermediate_size")
-READ_KEYS = frozenset(REQUIRED_KEYS) | {
-    "model_type", "architectures", "num_key_value_heads", "head_dim", "rms_norm_eps",
-    "max_position_embeddings", "tie_word_embeddings", "rope_theta", "rope_scaling",
-    "rope_parameters"}
-
-# Keys that do not change the forward pass, whatever their value: provenance and dtype on disk
-# (the caller picks the compute dtype), token ids, cache and output switches, initialisation,
-# the attention kernel, labels of classification heads, and the generation defaults old
-# transformers versions wrote into config.json.
-NO_EFFECT_KEYS = frozenset({
-    "_name_or_path", "_commit_hash", "_attn_implementation_autoset", "_attn_implementation",
-    "attn_implementation", "transformers_version", "torch_dtype", "dtype", "bos_token_id",
-    "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id", "use_cache",
-    "initializer_range", "output_attentions", "output_hidden_states", "return_dict",
-    "torchscript", "use_bfloat16", "tf_legacy_loss", "is_decoder", "chunk_size_feed_forward",
-    "id2label", "label2id", "problem_type", "finetuning_task", "tokenizer_class", "prefix",
-    "task_specific_params", "gradient_checkpointing",
-    # generation defaults
-    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
-    "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
-    "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
-    "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
-    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
-    "suppress_tokens", "begin_suppress_tokens",
-})
-
-
-@dataclasses.dataclass(frozen=True)
-class _Allowed:
-  """The values of a key the decoder implements (`ok`), described for the error (`allowed`)."""
-
-  ok: Any
-  allowed: str
-
-
-def _is(*values):
-  return lambda v: any(v == x and type(v) is type(x) for x in values)
-
-
-_FALSE = _Allowed(_is(False), "false")
-_ANY = _Allowed(lambda v: True, "any value")
-_NO_SLIDING = _Allowed(_is(False), "false (every layer attends to the full context)")
-_FULL_LAYERS = _Allowed(  # the number of entries is checked with the shape
-    lambda v: isinstance(v, list) and all(t == "full_attention" for t in v),
-    '"full_attention" for every layer (every layer attends to the full context)')
-# Keys of every family that the decoder fixes to one value.
-COMMON_CHECKED = {
-    "hidden_act": _Allowed(_is("silu"), '"silu" (the MLP is SwiGLU)'),
-    "attention_dropout": _Allowed(_is(0, 0.0), "0 (the decoder has no dropout)"),
-    "partial_rotary_factor": _Allowed(_is(1, 1.0), "1.0 (RoPE covers the head)"),
-    "is_encoder_decoder": _FALSE, "add_cross_attention": _FALSE, "tie_encoder_decoder": _FALSE,
-    "cross_attention_hidden_size": _Allowed(lambda v: v is None, "null"),
-    "pruned_heads": _Allowed(lambda v: v == {}, "{} (no pruned heads)"),
-}
-# Keys of one family: checked values, or no effect once the checked ones hold (a sliding window
-# size with no sliding layer; pretraining_tp only slices transformers 4.x's matmuls).
-FAMILY_CHECKED = {
-    "llama": {"attention_bias": _Allowed(_is(False), "false (no q/k/v/o biases on Llama)"),
-              "mlp_bias": _Allowed(_is(False), "false (the MLP has no biases)"),
-              "pretraining_tp": _ANY},
-    "qwen2": {"use_sliding_window": _NO_SLIDING, "sliding_window": _ANY,
-              "max_window_layers": _ANY, "layer_types": _FULL_LAYERS,
-              "use_mrope": _Allowed(_is(False), "false (one position per token)")},
-    "qwen3": {"attention_bias": _Allowed(_is(False), "false (Qwen3 has no q/k/v/o biases)"),
-              "use_sliding_window": _NO_SLIDING, "sliding_window": _ANY,
-              "max_window_layers": _ANY, "layer_types": _FULL_LAYERS},
-}
-# Known keys that always change the computation in a way the decoder does not implement.
-UNSUPPORTED_KEYS = {
-    "quantization_config": "quantized weights are not read",
-    "auto_map": "custom modeling code is not run",
-    "original_max_position_embeddings": "set it inside the RoPE scaling instead",
-}
-
-# RoPE: the scaling keys of each rope_type (beside rope_type / type, rope_theta and
-# partial_rotary_factor); `None` marks the required ones.
-ROPE_KEYS = {
-    "default": {},
-    "linear": {"factor": None},
-    "llama3": {"factor": None, "low_freq_factor": None, "high_freq_factor": None,
-               "original_max_position_embeddings": "max_position_embeddings"},
-    "yarn": {"factor": None, "original_max_position_embeddings": "max_position_embeddings",
-             "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": "0.1 ln(factor) + 1",
-             "truncate": True},
-}
-
-
-class UnsupportedCheckpoint(ValueError):
-  """A checkpoint whose architecture or settings the decoder does not implement."""
+from jaxrl_async.model.hf_keys import (
+  ARCHITECTURES,
+  DEFAULT_ROPE_THETA,
+  FAMILY_DEFAULTS,
+  HF_DTYPES,
+  REQUIRED_KEYS,
+  ROPE_KEYS,
+  UnsupportedCheckpoint,
+  allowed_values,
+  key_problems,
+  model_type_of_hf,
+  problem,
+  refuse,
+  show,
+)
 
 
 def read_hf_config(directory: str | os.PathLike) -> dict[str, Any]:
@@ -144,52 +52,6 @@ def read_hf_config(directory: str | os.PathLike) -> dict[str, Any]:
     raise FileNotFoundError(f"no config.json in {directory!s}: not a Hugging Face model directory")
   with open(path, encoding="utf-8") as f:
     return json.load(f)
-
-
-def _show(value) -> str:
-  return json.dumps(value, sort_keys=True)
-
-
-def _problem(key: str, value, why: str) -> str:
-  return f"{key}={_show(value)} ({why})"
-
-
-def _refuse(problems: list[str], model_type: str) -> None:
-  raise UnsupportedCheckpoint(
-      f"config.json is not supported for model_type {model_type!r}: " + "; ".join(problems))
-
-
-# ---- which keys ----------------------------------------------------------------------------------
-def _model_type(hf: dict) -> str:
-  model_type = hf.get("model_type")
-  if model_type not in ARCHITECTURES:
-    raise UnsupportedCheckpoint(
-        f"config.json model_type={model_type!r} (architectures {hf.get('architectures')}) is not "
-        f"supported; supported model_type values: {sorted(ARCHITECTURES)}")
-  return model_type
-
-
-def key_problems(hf: dict, model_type: str) -> list[str]:
-  """One line per key of `hf` that the decoder cannot honour (empty when all are fine)."""
-  checked = {**COMMON_CHECKED, **FAMILY_CHECKED[model_type]}
-  problems = []
-  for key in sorted(hf):
-    value = hf[key]
-    if key in READ_KEYS or key in NO_EFFECT_KEYS:
-      continue
-    if key in checked:
-      if not checked[key].ok(value):
-        problems.append(_problem(key, value, f"allowed: {checked[key].allowed}"))
-    elif key in UNSUPPORTED_KEYS:
-      problems.append(_problem(key, value, UNSUPPORTED_KEYS[key]))
-    else:
-      problems.append(_problem(key, value, f"not a {model_type} setting the decoder implements "
-                               "or knows to leave the forward pass unchanged"))
-  architectures = hf.get("architectures") or [ARCHITECTURES[model_type]]
-  if architectures != [ARCHITECTURES[model_type]]:
-    problems.insert(0, _problem("architectures", architectures,
-                                f"allowed: [{ARCHITECTURES[model_type]!r}]"))
-  return problems
 
 
 # ---- RoPE ----------------------------------------------------------------------------------------
@@ -236,12 +98,12 @@ def read_rope(hf: dict, model_type: str) -> RopeReading:
   """The RoPE settings of either layout; a file with both must describe one RoPE in both."""
   for key in ("rope_scaling", "rope_parameters"):
     if hf.get(key) is not None and not isinstance(hf[key], dict):
-      _refuse([_problem(key, hf[key], "allowed: a dict or null")], model_type)
+      refuse([problem(key, hf[key], "allowed: a dict or null")], model_type)
   if not _has_5x_rope(hf):
     reading = read_rope_4x(hf)
     if reading != read_rope_5x(hf):  # a rope_theta inside rope_scaling
-      _refuse([_problem("rope_scaling", hf.get("rope_scaling"),
-                        f"its rope_theta disagrees with rope_theta={_show(hf.get('rope_theta'))}")],
+      refuse([problem("rope_scaling", hf.get("rope_scaling"),
+                        f"its rope_theta disagrees with rope_theta={show(hf.get('rope_theta'))}")],
               model_type)
     return reading
   parameters = hf["rope_parameters"]
@@ -250,11 +112,11 @@ def read_rope(hf: dict, model_type: str) -> RopeReading:
   if _has_4x_rope(hf):
     old = read_rope_4x(hf)
     if not old == new == read_rope_5x(hf):
-      _refuse([_problem("rope_parameters", parameters,
-                        f"it gives RoPE theta {_show(new.theta)} with {_show(new.params)}, but "
-                        f"rope_theta={_show(hf.get('rope_theta'))}, rope_scaling="
-                        f"{_show(hf.get('rope_scaling'))} give theta {_show(old.theta)} with "
-                        f"{_show(old.params)}; a file with both layouts must describe one RoPE")],
+      refuse([problem("rope_parameters", parameters,
+                        f"it gives RoPE theta {show(new.theta)} with {show(new.params)}, but "
+                        f"rope_theta={show(hf.get('rope_theta'))}, rope_scaling="
+                        f"{show(hf.get('rope_scaling'))} give theta {show(old.theta)} with "
+                        f"{show(old.params)}; a file with both layouts must describe one RoPE")],
               model_type)
   return new
 
@@ -264,7 +126,7 @@ def _number(key: str, value, problems: list[str], *, minimum=None, integer=False
   if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value) or (
       minimum is not None and value < minimum):
     what = "an integer" if integer else "a number"
-    problems.append(_problem(key, value, f"allowed: {what}"
+    problems.append(problem(key, value, f"allowed: {what}"
                              + (f" >= {minimum}" if minimum is not None else "")))
     return None
   return value
@@ -277,24 +139,24 @@ def _rope_scaling(reading: RopeReading, hf: dict, model_type: str):
   where = "rope_parameters" if _has_5x_rope(hf) else "rope_scaling"
   problems = []
   if legacy is not None and legacy != kind:
-    problems.append(_problem(f"{where}.type", legacy, f"disagrees with rope_type={_show(kind)}"))
+    problems.append(problem(f"{where}.type", legacy, f"disagrees with rope_type={show(kind)}"))
   if kind not in ROPE_KEYS:
-    _refuse([_problem(f"{where}.rope_type", kind,
+    refuse([problem(f"{where}.rope_type", kind,
                       f"supported rope_type values: {sorted(ROPE_KEYS)}")], model_type)
   if "partial_rotary_factor" in params:
     value = params.pop("partial_rotary_factor")
-    if not _is(1, 1.0)(value):
-      problems.append(_problem(f"{where}.partial_rotary_factor", value,
+    if not allowed_values(1, 1.0)(value):
+      problems.append(problem(f"{where}.partial_rotary_factor", value,
                                "allowed: 1.0 (RoPE covers the head)"))
   allowed = ROPE_KEYS[kind]
   for key in sorted(set(params) - set(allowed)):
-    problems.append(_problem(f"{where}.{key}", params[key],
+    problems.append(problem(f"{where}.{key}", params[key],
                              f"not a key of rope_type {kind!r}; allowed: {sorted(allowed)}"))
   for key, default in allowed.items():
     if default is None and params.get(key) is None:
       problems.append(f"{where}.{key} is missing (required for rope_type {kind!r})")
   if problems:
-    _refuse(problems, model_type)
+    refuse(problems, model_type)
   return _make_scaling(kind, params, hf, model_type, where)
 
 
@@ -328,14 +190,14 @@ def _make_scaling(kind: str, params: dict, hf: dict, model_type: str, where: str
                      attention_factor=None if attention is None else num("attention_factor"),
                      truncate=params.get("truncate", True))
       if not isinstance(scaling["truncate"], bool):
-        problems.append(_problem(f"{where}.truncate", scaling["truncate"], "allowed: a bool"))
+        problems.append(problem(f"{where}.truncate", scaling["truncate"], "allowed: a bool"))
   if problems:
-    _refuse(problems, model_type)
+    refuse(problems, model_type)
   cls = {"linear": LinearRopeScaling, "llama3": RopeScaling, "yarn": YarnRopeScaling}[kind]
   try:
     return cls(**scaling)
   except ValueError as e:
-    raise UnsupportedCheckpoint(f"config.json {where}={_show(dict(params, rope_type=kind))} "
+    raise UnsupportedCheckpoint(f"config.json {where}={show(dict(params, rope_type=kind))} "
                                 f"is not supported for model_type {model_type!r}: {e}") from e
 
 
@@ -355,7 +217,7 @@ def _read_shape(hf: dict, model_type: str) -> dict:
                                           integer=True))
   head_dim = hf.get("head_dim", defaults["head_dim"])
   if head_dim is None and model_type != "llama" and "head_dim" in hf:
-    problems.append(_problem("head_dim", None, f"allowed: an integer ({model_type} reads no "
+    problems.append(problem("head_dim", None, f"allowed: an integer ({model_type} reads no "
                              "default for an explicit null)"))
   elif head_dim is not None:
     head_dim = _number("head_dim", head_dim, problems, minimum=2, integer=True)
@@ -368,14 +230,14 @@ def _read_shape(hf: dict, model_type: str) -> dict:
                                   problems)
   layer_types = hf.get("layer_types")
   if isinstance(layer_types, list) and len(layer_types) != shape["num_hidden_layers"]:
-    problems.append(_problem("layer_types", layer_types, f"{len(layer_types)} entries for "
+    problems.append(problem("layer_types", layer_types, f"{len(layer_types)} entries for "
                              f"num_hidden_layers={shape['num_hidden_layers']}"))
   tie = hf.get("tie_word_embeddings", defaults["tie_word_embeddings"])
   if not isinstance(tie, bool):
-    problems.append(_problem("tie_word_embeddings", tie, "allowed: true or false"))
+    problems.append(problem("tie_word_embeddings", tie, "allowed: true or false"))
   shape["tie_word_embeddings"] = tie
   if problems:
-    _refuse(problems, model_type)
+    refuse(problems, model_type)
   return shape
 
 
@@ -383,7 +245,7 @@ def _theta(reading: RopeReading, model_type: str) -> float:
   problems: list[str] = []
   theta = _number("rope_theta", reading.theta, problems)
   if problems or not theta > 1:
-    _refuse([_problem("rope_theta", reading.theta, "allowed: a number > 1")], model_type)
+    refuse([problem("rope_theta", reading.theta, "allowed: a number > 1")], model_type)
   return float(theta)
 
 
@@ -398,10 +260,10 @@ def config_from_hf(hf: dict[str, Any], *, max_seq_len: int | None = None,
   for name, value in (("dtype", dtype), ("param_dtype", param_dtype)):
     if value not in DTYPES:
       raise ValueError(f"{name} must be one of {DTYPES}, got {value!r}")
-  model_type = _model_type(hf)
+  model_type = model_type_of_hf(hf)
   problems = key_problems(hf, model_type)
   if problems:
-    _refuse(problems, model_type)
+    refuse(problems, model_type)
   shape = _read_shape(hf, model_type)
   reading = read_rope(hf, model_type)
   theta = _theta(reading, model_type)

@@ -9,7 +9,7 @@ import pathlib
 
 import pytest
 
-from jaxrl_async.model import hf_config, weights
+from jaxrl_async.model import hf_config, hf_keys, weights
 from jaxrl_async.model.config import (
   PRESETS,
   LinearRopeScaling,
@@ -306,7 +306,7 @@ def test_allowed_values_read_as_the_unchanged_model(family, change):
   assert config_from_hf({**_real(name), **change}) == EXPECTED[name]
 
 
-@pytest.mark.parametrize("key", sorted(hf_config.NO_EFFECT_KEYS))
+@pytest.mark.parametrize("key", sorted(hf_keys.NO_EFFECT_KEYS))
 def test_keys_without_effect_are_accepted_whatever_their_value(key):
   hf = {**_real("qwen3-0.6b"), key: {"any": ["value", 1.5]}}
   assert config_from_hf(hf) == EXPECTED["qwen3-0.6b"]
