@@ -9,8 +9,10 @@
 task, one streamed request each, as a client would), prints one JSON line and stops.
 
 The run's `config.gin` says which model and task the checkpoint belongs to; a Hugging Face
-directory (config.json, safetensors, tokenizer.json; the `hf` extra) brings its own. The server prints
-`serving <what> on <host>:<port>` once it takes requests, and stops on Ctrl-C or SIGTERM.
+directory (config.json, safetensors, tokenizer.json; the `hf` extra) brings its own. Without
+tokenizer.json it is served for prompts sent as token ids (text prompts are refused), ending
+responses at generation_config.json's eos_token_id. The server prints `serving <what> on
+<host>:<port>` once it takes requests, and stops on Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ def parse_args(argv=None):
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   source = parser.add_mutually_exclusive_group(required=True)
   source.add_argument("--checkpoint", help="a run directory, or its checkpoints/ folder")
-  source.add_argument("--hf_model", help="a Hugging Face model directory")
+  source.add_argument("--hf_model", help="a Hugging Face model directory (without "
+                      "tokenizer.json: prompts as token ids only)")
   parser.add_argument("--max_seq_len", type=int, default=None,
                       help="--hf_model: KV cache length (default max_position_embeddings)")
   parser.add_argument("--max_prompt_len", type=int, default=None,

@@ -19,19 +19,24 @@ in tokenizer_config.json), and records with transformers (eager attention, float
 Weights are drawn so that greedy steps are not near ties and continuations do not just repeat
 one token (a seed is retried otherwise).
 
-`--rope-fixture` (transformers 5 only, in its own virtual environment) writes
-tests/fixtures/hf/qwen2-tf5/ instead: a random tiny Qwen2 saved by transformers 5, so its
-config.json holds RoPE in the 5.x layout (`rope_parameters`, theta 1e6, no top-level
-rope_theta), without a tokenizer, and in reference_logits.npz the logits transformers computes
-for two prompts (token ids in reference.json) with the saved RoPE and with each RoPE variant of
-ROPE_VARIANTS (linear, llama3, YaRN) on the same weights:
+`--tf5-fixtures` (transformers 5 only, in its own virtual environment) writes
+tests/fixtures/hf/{llama,qwen2,qwen3}-tf5 instead: a random tiny model of each family saved by
+transformers 5, so its config.json holds RoPE in the 5.x layout (`rope_parameters`, no top-level
+rope_theta: llama3 scaling with theta 5e5 for llama, theta 1e6 for the Qwens), without a
+tokenizer or special token ids. For two prompts of random token ids (in reference.json, with their
+20-token greedy continuations as above, seeds retried the same way) reference_logits.npz holds the
+logits transformers computes (`default_<i>`), and for qwen2-tf5 also with each RoPE variant of
+ROPE_VARIANTS (linear, llama3, YaRN) on the same weights (`<variant>_<i>`). With the torch and
+transformers versions that reference.json records, a rebuild writes the same weights, prompts and
+greedy tokens (on one machine the same bytes; logits may differ in their last bits between CPUs):
 
     python3 -m venv tf5-venv
     tf5-venv/bin/pip install torch==2.13.0 'transformers>=5' safetensors
-    tf5-venv/bin/python tools/make_hf_fixtures.py --rope-fixture   # a few seconds
+    tf5-venv/bin/python tools/make_hf_fixtures.py --tf5-fixtures   # a few seconds
 
 `--resave-configs` (transformers 5 too) writes tests/fixtures/hf/configs/fixture-<family>.tf5.json:
-the config.json of each fixture above as transformers 5 loads and saves it.
+the config.json of each fixture above as transformers 5 loads and saves it. `--out DIR` writes
+into DIR instead of tests/fixtures/hf (e.g. to compare a rebuild with the stored files).
 """
 
 from __future__ import annotations
@@ -204,8 +209,26 @@ def greedy(model, prompt: list[int]) -> tuple[list[int], float]:
   return tokens[len(prompt):], margin
 
 
-def build_family(name: str, spec: dict, seed: int) -> dict:
-  directory = OUT / name
+def draw_model(name: str, make_model, prompts: list[list[int]], seed: int,
+               min_distinct: int = MIN_DISTINCT):
+  """The first random model (seeds seed, seed + 1, ...) whose greedy continuations of `prompts`
+  have top-1 / top-2 margins >= MIN_MARGIN and >= `min_distinct` distinct tokens each.
+  Returns (model, attempt, continuations, min margin, min distinct tokens)."""
+  for attempt in range(50):
+    torch.manual_seed(seed + attempt)
+    model = make_model().eval()
+    randomize(model, seed + attempt, gain=2.0)
+    continuations = [greedy(model, p) for p in prompts]
+    margin = min(m for _, m in continuations)
+    distinct = min(len(set(c)) for c, _ in continuations)
+    if margin >= MIN_MARGIN and distinct >= min_distinct:
+      return model, attempt, continuations, margin, distinct
+  raise RuntimeError(f"{name}: no seed gave greedy margins >= {MIN_MARGIN} with "
+                     f">= {min_distinct} distinct tokens")
+
+
+def build_family(name: str, spec: dict, seed: int, out: pathlib.Path = OUT) -> dict:
+  directory = out / name
   shutil.rmtree(directory, ignore_errors=True)
   directory.mkdir(parents=True)
   tokenizer = fast_tokenizer(spec, directory)
@@ -218,18 +241,8 @@ def build_family(name: str, spec: dict, seed: int) -> dict:
   prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in PROMPTS]
   if ids["bos"] is not None:
     prompts = [[ids["bos"]] + p for p in prompts]
-  for attempt in range(50):
-    torch.manual_seed(seed + attempt)
-    model = getattr(transformers, spec["model_class"])(config).eval()
-    randomize(model, seed + attempt, gain=2.0)
-    continuations = [greedy(model, p) for p in prompts]
-    margin = min(m for _, m in continuations)
-    distinct = min(len(set(c)) for c, _ in continuations)
-    if margin >= MIN_MARGIN and distinct >= MIN_DISTINCT:
-      break
-  else:
-    raise RuntimeError(f"{name}: no seed gave greedy margins >= {MIN_MARGIN} with "
-                       f">= {MIN_DISTINCT} distinct tokens")
+  model, attempt, continuations, margin, distinct = draw_model(
+      name, lambda: getattr(transformers, spec["model_class"])(config), prompts, seed)
   with torch.no_grad():
     logits = {f"logits_{i}": model(torch.tensor([p])).logits[0].numpy().astype(np.float32)
               for i, p in enumerate(prompts)}
@@ -261,15 +274,41 @@ def build_family(name: str, spec: dict, seed: int) -> dict:
           "bytes": sum(f.stat().st_size for f in directory.iterdir())}
 
 
-# ---- the transformers 5 fixture: RoPE in the 5.x layout and its scaling variants ---------------
-ROPE_FIXTURE = "qwen2-tf5"
-ROPE_CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                   rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False,
-                   rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
-ROPE_PROMPT_LENGTHS = (40, 128)
-# Each variant replaces rope_parameters on the saved weights. Theta 1e4 and an original length of
-# 64 put head_dim 16's wavelengths on both sides of the llama3 and YaRN thresholds.
+# ---- the transformers 5 fixtures: configs in the 5.x layout --------------------------------------
+# Random tiny models of each family saved by transformers 5, so that config.json holds RoPE in
+# `rope_parameters` (no top-level rope_theta); no tokenizer: prompts are random token ids, and no
+# special token ids (transformers 5's LlamaConfig would otherwise write bos 1 and eos 2).
+TF5_PROMPT_LENGTHS = (40, 128)
+TF5_MIN_DISTINCT = 12  # of the 20 greedy tokens: random token prompts, no repeating tails
+TF5_SHAPE = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256, bos_token_id=None,
+                 eos_token_id=None, pad_token_id=None)
+TF5_FIXTURES = {
+    # llama3 RoPE scaling: an original length of 64 puts head_dim 16's wavelengths (6, 33, 168,
+    # ...) below, inside and above the band between 64 / high_freq_factor and 64.
+    "llama-tf5": dict(
+        config_class="LlamaConfig", model_class="LlamaForCausalLM",
+        config=dict(TF5_SHAPE, intermediate_size=128, head_dim=16, rms_norm_eps=1e-5,
+                    tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "llama3", "rope_theta": 500_000.0,
+                                     "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 64})),
+    "qwen2-tf5": dict(
+        config_class="Qwen2Config", model_class="Qwen2ForCausalLM",
+        config=dict(TF5_SHAPE, intermediate_size=96, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                    use_sliding_window=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})),
+    # head_dim 32 with hidden_size 64 and 4 heads: not hidden_size / num_heads.
+    "qwen3-tf5": dict(
+        config_class="Qwen3Config", model_class="Qwen3ForCausalLM",
+        config=dict(TF5_SHAPE, intermediate_size=128, head_dim=32, rms_norm_eps=1e-6,
+                    tie_word_embeddings=True, use_sliding_window=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})),
+}
+# qwen2-tf5 also records, on its weights, the logits of each variant replacing rope_parameters.
+# Theta 1e4 and an original length of 64 put head_dim 16's wavelengths on both sides of the
+# llama3 and YaRN thresholds.
 ROPE_VARIANTS = {
     "linear": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
     "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -281,79 +320,103 @@ ROPE_VARIANTS = {
                       "beta_fast": 16.0, "beta_slow": 2.0, "attention_factor": 1.3,
                       "truncate": False, "rope_theta": 50_000.0},
 }
+TF5_VARIANTS = {"qwen2-tf5": ROPE_VARIANTS}
 
 
-def _logits(config, state_dict, prompts) -> list[np.ndarray]:
-  model = transformers.Qwen2ForCausalLM(config).eval()
-  model.load_state_dict(state_dict)
+def _tf5_model(spec: dict, **overrides):
+  config = getattr(transformers, spec["config_class"])(
+      attn_implementation="eager", dtype="float32", **{**spec["config"], **overrides})
+  return getattr(transformers, spec["model_class"])(config)
+
+
+def _logits(model, prompts) -> list[np.ndarray]:
   with torch.no_grad():
     return [model(torch.tensor([p])).logits[0].numpy().astype(np.float32) for p in prompts]
 
 
-def build_rope_fixture(seed: int) -> dict:
+def build_tf5_fixture(name: str, seed: int, out: pathlib.Path = OUT) -> dict:
   if not TRANSFORMERS_5:
-    raise SystemExit(f"--rope-fixture needs transformers >= 5 (the 5.x config layout), found "
+    raise SystemExit(f"--tf5-fixtures needs transformers >= 5 (the 5.x config layout), found "
                      f"{transformers.__version__}")
-  directory = OUT / ROPE_FIXTURE
+  spec = TF5_FIXTURES[name]
+  rng = np.random.default_rng(seed)
+  vocab_size = spec["config"]["vocab_size"]
+  prompts = [rng.integers(0, vocab_size, n).tolist() for n in TF5_PROMPT_LENGTHS]
+  model, attempt, continuations, margin, distinct = draw_model(
+      name, lambda: _tf5_model(spec), prompts, seed, min_distinct=TF5_MIN_DISTINCT)
+  directory = out / name
   shutil.rmtree(directory, ignore_errors=True)
   directory.mkdir(parents=True)
-  config = transformers.Qwen2Config(attn_implementation="eager", dtype="float32", **ROPE_CONFIG)
-  torch.manual_seed(seed)
-  model = transformers.Qwen2ForCausalLM(config).eval()
-  randomize(model, seed, gain=2.0)
   model.save_pretrained(directory)
   saved = json.loads((directory / "config.json").read_text())
-  if "rope_theta" in saved or saved.get("rope_parameters", {}).get("rope_theta") != 1_000_000.0:
+  if "rope_theta" in saved or saved.get("rope_parameters") != spec["config"]["rope_parameters"]:
     raise RuntimeError(f"transformers {transformers.__version__} did not write the 5.x RoPE "
                        f"layout: {saved}")
-  rng = np.random.default_rng(seed)
-  prompts = [rng.integers(0, ROPE_CONFIG["vocab_size"], n).tolist() for n in ROPE_PROMPT_LENGTHS]
-  state = model.state_dict()
-  logits = {f"default_{i}": x for i, x in enumerate(_logits(config, state, prompts))}
-  for name, rope in ROPE_VARIANTS.items():
-    variant = transformers.Qwen2Config(attn_implementation="eager", dtype="float32",
-                                       **{**ROPE_CONFIG, "rope_parameters": dict(rope)})
-    logits.update({f"{name}_{i}": x for i, x in enumerate(_logits(variant, state, prompts))})
+  logits = {f"default_{i}": x for i, x in enumerate(_logits(model, prompts))}
+  variants = TF5_VARIANTS.get(name, {})
+  for variant, rope in variants.items():
+    other = _tf5_model(spec, rope_parameters=dict(rope)).eval()
+    other.load_state_dict(model.state_dict())
+    logits.update({f"{variant}_{i}": x for i, x in enumerate(_logits(other, prompts))})
   np.savez_compressed(directory / "reference_logits.npz", **logits)
-  reference = {"seed": seed, "transformers": transformers.__version__,
-               "torch": torch.__version__, "prompts": prompts, "variants": ROPE_VARIANTS}
+  reference = {"fixture": name, "seed": seed + attempt, "transformers": transformers.__version__,
+               "torch": torch.__version__,
+               "prompts": [{"token_ids": p, "greedy": cont, "greedy_min_margin": m}
+                           for p, (cont, m) in zip(prompts, continuations)],
+               "variants": variants}
   (directory / "reference.json").write_text(json.dumps(reference, indent=1) + "\n")
-  return {"fixture": ROPE_FIXTURE, "transformers": transformers.__version__,
+  return {"fixture": name, "seed": seed + attempt, "min_margin": margin,
+          "min_distinct": distinct, "transformers": transformers.__version__,
           "bytes": sum(f.stat().st_size for f in directory.iterdir())}
 
 
-def resave_configs() -> list[str]:
-  """tests/fixtures/hf/configs/fixture-<family>.tf5.json: each 4.x fixture's config.json as
-  transformers 5 loads and saves it (the 5.x layout of the same model)."""
+def resave_configs(out: pathlib.Path = OUT) -> list[str]:
+  """<out>/configs/fixture-<family>.tf5.json: each 4.x fixture's config.json (read from
+  tests/fixtures/hf) as transformers 5 loads and saves it (the 5.x layout of the same model)."""
   if not TRANSFORMERS_5:
     raise SystemExit(f"--resave-configs needs transformers >= 5, found {transformers.__version__}")
   written = []
+  (out / "configs").mkdir(parents=True, exist_ok=True)
   for name in sorted(FAMILIES):
     config = transformers.AutoConfig.from_pretrained(OUT / name)
-    path = OUT / "configs" / f"fixture-{name}.tf5.json"
+    path = out / "configs" / f"fixture-{name}.tf5.json"
     path.write_text(config.to_json_string(use_diff=True))
-    written.append(str(path.relative_to(ROOT)))
+    written.append(str(path))
   return written
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--families", nargs="*", default=sorted(FAMILIES))
-  parser.add_argument("--rope-fixture", action="store_true",
-                      help=f"write tests/fixtures/hf/{ROPE_FIXTURE} (transformers 5) instead")
+  parser.add_argument("--families", nargs="*", default=None,
+                      help=f"default: all of {sorted(FAMILIES)}, or with --tf5-fixtures all of "
+                           f"{sorted(TF5_FIXTURES)}")
+  parser.add_argument("--tf5-fixtures", action="store_true",
+                      help="write tests/fixtures/hf/*-tf5 (transformers 5) instead")
   parser.add_argument("--resave-configs", action="store_true",
                       help="write tests/fixtures/hf/configs/fixture-*.tf5.json (transformers 5)")
+  parser.add_argument("--out", type=pathlib.Path, default=OUT,
+                      help="the folder to write into (default tests/fixtures/hf)")
   args = parser.parse_args()
   torch.set_num_threads(1)
-  if args.rope_fixture or args.resave_configs:
-    if args.rope_fixture:
-      print(json.dumps(build_rope_fixture(args.seed)))
+  if args.tf5_fixtures or args.resave_configs:
+    if args.tf5_fixtures:
+      names = sorted(TF5_FIXTURES) if args.families is None else args.families
+      unknown = sorted(set(names) - set(TF5_FIXTURES))
+      if unknown:
+        parser.error(f"--families with --tf5-fixtures must be in {sorted(TF5_FIXTURES)}, got "
+                     f"{unknown}")
+      for name in names:
+        print(json.dumps(build_tf5_fixture(name, args.seed, args.out)))
     if args.resave_configs:
-      print(json.dumps(resave_configs()))
+      print(json.dumps(resave_configs(args.out)))
     return
-  for name in args.families:
-    print(json.dumps(build_family(name, FAMILIES[name], args.seed)))
+  names = sorted(FAMILIES) if args.families is None else args.families
+  unknown = sorted(set(names) - set(FAMILIES))
+  if unknown:
+    parser.error(f"--families must be in {sorted(FAMILIES)}, got {unknown}")
+  for name in names:
+    print(json.dumps(build_family(name, FAMILIES[name], args.seed, args.out)))
 
 
 if __name__ == "__main__":

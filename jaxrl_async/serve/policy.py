@@ -1,6 +1,11 @@
 """The policy a server serves: a run's checkpoint (the learner's params at a saved version), or
 an imported Hugging Face model directory (config.json, safetensors, tokenizer.json).
 
+A Hugging Face directory without tokenizer.json (checkpoints often travel without one) is served
+for prompts sent as token ids; a text prompt is refused with a message saying so. Its responses
+end at the ids of generation_config.json's `eos_token_id`, else config.json's (none: only at the
+response length limit).
+
 A run whose `RunConfig.checkpoint` names a Hugging Face checkpoint (`model.weights.HFCheckpoint`)
 is served with that model's architecture, its tokenizer (unless the run binds a task, whose
 tokenizer it trained with) and its stop ids; before the run has saved a checkpoint, with the
@@ -13,7 +18,9 @@ and `checkpoints/<policy_version>/` written by `jaxrl_async.checkpoint.RunCheckp
 
 from __future__ import annotations
 
+import json
 import os
+import pathlib
 
 import jax
 import orbax.checkpoint as ocp
@@ -111,25 +118,67 @@ def policy_from_checkpoint(config: RunConfig, path: str | os.PathLike,
                 description=f"{directory} at policy_version {step}")
 
 
+def _read_json(path: pathlib.Path) -> dict:
+  if not path.exists():
+    return {}
+  with open(path, encoding="utf-8") as f:
+    value = json.load(f)
+  if not isinstance(value, dict):
+    raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")
+  return value
+
+
+def checkpoint_stop_ids(directory: str | os.PathLike, vocab_size: int) -> tuple[int, ...]:
+  """The ids that end a generation by a Hugging Face directory's own files, as transformers reads
+  them: generation_config.json's `eos_token_id` (an int or a list), else config.json's; () when
+  neither names one."""
+  directory = pathlib.Path(directory)
+  for name in ("generation_config.json", "config.json"):
+    source = _read_json(directory / name)
+    if "eos_token_id" in source:
+      break
+  value = source.get("eos_token_id")
+  values = [] if value is None else value if isinstance(value, list) else [value]
+  if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < vocab_size
+             for v in values):
+    raise ValueError(f"eos_token_id in {directory / name} must be an int in [0, vocab_size="
+                     f"{vocab_size}) or a list of them, got {value!r}")
+  return tuple(dict.fromkeys(values))
+
+
 def policy_from_hf(directory: str | os.PathLike, *, max_seq_len: int | None = None,
                    max_prompt_len: int | None = None, dtype: str = "float32") -> Policy:
   """A Hugging Face model directory as a Policy (`model/weights.py`; tokenizer.json read with
   the `hf` extra). max_seq_len: the KV cache length (default the model's
   max_position_embeddings); max_prompt_len: the longest prompt (default half of it); responses
-  take the rest of the cache."""
+  take the rest of the cache. Without tokenizer.json the policy has no tokenizer (token ids
+  only) and stops at `checkpoint_stop_ids`."""
   from jaxrl_async.model import weights
-  from jaxrl_async.tasks.hf_tokenizer import HFTokenizer
   model_config = weights.load_config(directory, max_seq_len=max_seq_len, dtype=dtype)
   cache_length = model_config.max_seq_len
   max_prompt_len = cache_length // 2 if max_prompt_len is None else max_prompt_len
   if not 1 <= max_prompt_len < cache_length:
     raise ValueError(f"max_prompt_len must be in [1, max_seq_len={cache_length}), got "
                      f"{max_prompt_len}")
-  tokenizer = HFTokenizer.from_dir(directory)
+  path = pathlib.Path(os.path.abspath(os.fspath(directory)))
+  no_tokenizer_reason = ""
+  if (path / "tokenizer.json").exists():
+    from jaxrl_async.tasks.hf_tokenizer import HFTokenizer
+    tokenizer = HFTokenizer.from_dir(path)
+    eos_id, stop_ids = tokenizer.eos_id, tuple(tokenizer.stop_ids)
+    description = f"{path} (Hugging Face)"
+  else:
+    tokenizer = None
+    stop_ids = checkpoint_stop_ids(path, model_config.vocab_size)
+    eos_id = stop_ids[0] if stop_ids else -1  # -1: no end token
+    no_tokenizer_reason = f"the checkpoint at {path} has no tokenizer.json"
+    if (path / "tokenizer.model").exists():
+      no_tokenizer_reason += " (its tokenizer.model is not read)"
+    description = f"{path} (Hugging Face; no tokenizer.json: prompts as token ids only)"
   graphdef, _, _ = abstract_params(model_config)
-  params = weights.load_params(directory, model_config)
+  params = weights.load_params(path, model_config)
   return Policy(graphdef=graphdef, params=params, model_config=model_config,
-                tokenizer=tokenizer, eos_id=tokenizer.eos_id,
-                stop_ids=tuple(tokenizer.stop_ids), max_prefill_length=max_prompt_len,
-                max_response_len=cache_length - max_prompt_len,
-                description=f"{os.path.abspath(os.fspath(directory))} (Hugging Face)")
+                tokenizer=tokenizer, eos_id=eos_id, stop_ids=stop_ids,
+                max_prefill_length=max_prompt_len,
+                max_response_len=cache_length - max_prompt_len, description=description,
+                no_tokenizer_reason=no_tokenizer_reason)

@@ -6,12 +6,12 @@
 
 `Decode` streams one `DecodeResponse` per engine step in which the request's samples drew tokens
 (each `StreamContent.samples[i]` holds sample i's new token ids and their text); a handler that
-fell behind joins the steps queued for it into one message (`merge_chunks`, on by default). A request that
-cannot be served as asked (no prompt, an empty prompt, one longer than the engine's prefill
-limit or the cache, token ids outside the vocabulary, text the tokenizer cannot encode, a bad
-`max_tokens` or `num_samples`, fields this protocol does not define) gets INVALID_ARGUMENT with
-a message naming the field and the allowed values. The server binds to loopback unless told
-otherwise.
+fell behind joins the steps queued for it into one message (`merge_chunks`, on by default). A
+request that cannot be served as asked (no prompt, an empty prompt, one longer than the engine's
+prefill limit or the cache, token ids outside the vocabulary, text the tokenizer cannot encode,
+text for a policy without a tokenizer, a bad `max_tokens` or `num_samples`, fields this protocol
+does not define) gets INVALID_ARGUMENT with a message naming the field and the allowed values.
+The server binds to loopback unless told otherwise.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ class Policy:
   version: int = 0
   description: str = ""
   stop_ids: tuple = ()  # ids besides eos_id that end a response (a tokenizer's stop_ids)
+  no_tokenizer_reason: str = ""  # tokenizer None: why, told to a client that sends text
 
 
 class BadRequest(ValueError):
@@ -64,8 +65,9 @@ def _unknown_field_numbers(message) -> list[int]:
 
 def check_request(request: pb.DecodeRequest, *, tokenizer, vocab_size: int,
                   max_prefill_length: int, cache_length: int, max_response_len: int,
-                  max_samples: int) -> tuple[np.ndarray, int, int]:
-  """-> (prompt tokens, num_samples, max_tokens), or BadRequest naming the field."""
+                  max_samples: int, no_tokenizer_reason: str = "") -> tuple[np.ndarray, int, int]:
+  """-> (prompt tokens, num_samples, max_tokens), or BadRequest naming the field.
+  no_tokenizer_reason: why `tokenizer` is None (in the message refusing a text prompt)."""
   unknown = _unknown_field_numbers(request)
   if unknown:
     raise BadRequest(f"DecodeRequest has fields this server does not define (field numbers "
@@ -76,7 +78,9 @@ def check_request(request: pb.DecodeRequest, *, tokenizer, vocab_size: int,
     raise BadRequest("DecodeRequest needs a prompt: set text_content or token_content")
   if content == "text_content":
     if tokenizer is None:
-      raise BadRequest("this server has no tokenizer: send the prompt as token_content")
+      reason = no_tokenizer_reason or "this server has no tokenizer"
+      raise BadRequest(f"text_content cannot be served: {reason}, so send the prompt as token "
+                       "ids (token_content.token_ids)")
     if not request.text_content.text:
       raise BadRequest("text_content.text is empty: the prompt needs at least one character")
     try:
@@ -130,10 +134,12 @@ def _merge_queued(chunk: list, chunks: queue.Queue):
 class OrchestratorServicer(pb_grpc.OrchestratorServicer):
 
   def __init__(self, driver: DecodeDriver, engine: Engine, tokenizer, *,
-               stream_timeout_s: float = 600.0, merge_chunks: bool = True):
+               stream_timeout_s: float = 600.0, merge_chunks: bool = True,
+               no_tokenizer_reason: str = ""):
     self.driver = driver
     self.engine = engine
     self.tokenizer = tokenizer
+    self.no_tokenizer_reason = no_tokenizer_reason
     self.stream_timeout_s = stream_timeout_s
     self.merge_chunks = merge_chunks
 
@@ -148,7 +154,8 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
           request, tokenizer=self.tokenizer, vocab_size=self.engine.config.vocab_size,
           max_prefill_length=self.engine.max_prefill_length,
           cache_length=self.engine.cache_length, max_response_len=self.driver.max_response_len,
-          max_samples=self.engine.max_concurrent_decodes)
+          max_samples=self.engine.max_concurrent_decodes,
+          no_tokenizer_reason=self.no_tokenizer_reason)
     except BadRequest as error:
       context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
     try:
@@ -203,7 +210,8 @@ class PolicyServer:
     self._server = grpc.server(self._executor, maximum_concurrent_rpcs=max_streams)
     pb_grpc.add_OrchestratorServicer_to_server(
         OrchestratorServicer(self.driver, self.engine, policy.tokenizer,
-                             stream_timeout_s=stream_timeout_s, merge_chunks=merge_chunks),
+                             stream_timeout_s=stream_timeout_s, merge_chunks=merge_chunks,
+                             no_tokenizer_reason=policy.no_tokenizer_reason),
         self._server)
     self.host = host
     self.port = self._server.add_insecure_port(f"{host}:{port}")
