@@ -1,5 +1,6 @@
 """The Learner role: consume groups from the buffer, update, publish a version every
-`trigger_parameter_sync_step` local updates.
+`trigger_parameter_sync_step` local updates. The order of these steps is `learner_schedule`'s
+(learner/schedule.py), shared with the simulator; this role performs them.
 
 Every consumed batch is checked against the staleness bound before it is trained on: with
 `staleness_threshold` = 0 every token's version gap must be 0, and no gap may exceed
@@ -16,6 +17,16 @@ import jax
 
 from jaxrl_async import faults
 from jaxrl_async.buffer import BufferClosed, BufferTimeout, VersionedBuffer
+from jaxrl_async.learner.schedule import (
+  Publish,
+  Take,
+  TakeReady,
+  Trained,
+  Update,
+  VersionDone,
+  drive,
+  learner_schedule,
+)
 from jaxrl_async.metrics import RoleTimer, staleness_metrics, sum_pairs
 from jaxrl_async.roles import RoleThread
 from jaxrl_async.sync.channel import WeightChannel
@@ -75,6 +86,8 @@ class LearnerRole(RoleThread):
     # `taken_groups`. A restored run passes them back here; they are trained first.
     self.taken: list | None = list(taken) if taken else None
     self.window_groups: list = []  # trained in the current, unfinished version window
+    self._window_params = None  # the params at the start of the version window, if needed
+    self._accumulated: dict = {}  # the window's metric sums
 
   def _get_groups(self):
     began = time.perf_counter()
@@ -104,43 +117,54 @@ class LearnerRole(RoleThread):
   def stopping(self) -> bool:
     return self._stop.is_set()
 
-  def _publish(self) -> None:
+  def _publish(self, version: int) -> None:
     faults.point("sync.publish")
     with self.timer.busy("sync"):
-      self.channel.publish(self.version, self.state.params)
+      self.channel.publish(version, self.state.params)
 
   def run(self) -> None:
-    if self.channel.latest_version() < self.version:
-      self._publish()
-    # Groups already taken are trained on even when a stop comes meanwhile: they have left the
-    # buffer (counted as consumed), so dropping them here would lose them silently.
-    while self.version < self.num_versions and (self.taken is not None
-                                                or not self._stop.is_set()):
-      window_params = self.copy_params(self.state.params) if self.needs_window_params else None
-      accumulated = {}
+    """Performs `learner_schedule`'s effects: the control flow lives there, the buffer,
+    update, channel, stop handling and fault points here."""
+    drive(learner_schedule(start_version=self.version, num_versions=self.num_versions,
+                           trigger=self.trigger, taken=self.taken,
+                           published=self.channel.latest_version()), self._perform)
+
+  def _perform(self, effect):
+    match effect:
+      case Take():
+        return self._get_groups()
+      case Update(groups=groups, version=version, local=local):
+        self._update(groups, version, local)
+      case Trained(version=version):
+        self.version = version
+        self._window_params = None  # the window's updates are done: free the copy
+        faults.point("learner.trained")
+        self.window_groups = []
+      case TakeReady():
+        # A stop takes nothing more; the version just trained is still published.
+        self.taken = None if self._stop.is_set() else self._take_ready_groups()
+        return self.taken
+      case Publish(version=version, start=start):
+        if not start:
+          faults.point("learner.take_publish")
+        self._publish(version)
+      case VersionDone(version=version, consumed=consumed):
+        self.on_version(version, self.state, consumed, self._accumulated,
+                        staleness_metrics(consumed, version - 1))
+    return None
+
+  def _update(self, groups, version: int, local: int) -> None:
+    if local == 0:  # a version window opens
+      self._window_params = (self.copy_params(self.state.params) if self.needs_window_params
+                             else None)
+      self._accumulated = {}
       self.window_groups = []
-      for local in range(self.trigger):
-        groups = self.taken if self.taken is not None else self._get_groups()
-        if groups is None:
-          return
-        if self.debug_checks:
-          check_staleness(groups, self.version, on_policy=self.on_policy,
-                          max_version_gap=self.max_version_gap)
-        with self.timer.busy("learner"):
-          self.state, metrics = self.update_fn(self.state, groups, window_params,
-                                               self.version, local)
-          accumulated = sum_pairs(accumulated, jax.device_get(metrics))
-        self.taken = None  # trained: the state now holds them
-        self.window_groups.extend(groups)
-      self.version += 1
-      faults.point("learner.trained")
-      consumed, self.window_groups = self.window_groups, []
-      # Groups already queued are taken at the new version before it is announced, so the
-      # rollouter's new admission window does not count them as carried over (they are
-      # consumed, with their gap measured against the new version).
-      if self.version < self.num_versions and not self._stop.is_set():
-        self.taken = self._take_ready_groups()
-      faults.point("learner.take_publish")
-      self._publish()
-      self.on_version(self.version, self.state, consumed, accumulated,
-                      staleness_metrics(consumed, self.version - 1))
+    if self.debug_checks:
+      check_staleness(groups, version, on_policy=self.on_policy,
+                      max_version_gap=self.max_version_gap)
+    with self.timer.busy("learner"):
+      self.state, metrics = self.update_fn(self.state, groups, self._window_params, version,
+                                           local)
+      self._accumulated = sum_pairs(self._accumulated, jax.device_get(metrics))
+    self.taken = None  # trained: the state now holds them
+    self.window_groups.extend(groups)

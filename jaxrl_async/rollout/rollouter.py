@@ -9,6 +9,8 @@ One thread owns the engine's `ContinuousBatcher`. Each turn of its loop it
    have room, and submits their samples;
 3. runs one decode step and hands every finished sample to the reward pool, whose workers put it
    into the buffer.
+Whether to swap, drain, admit or step is decided by `rollout/decisions.py`, the same functions
+the simulator's rollouter calls.
 
 `pause()` stops it at a step boundary with no sample between roles (in the reward pool), so a
 checkpoint can capture the buffer and the prompts in flight consistently.
@@ -22,6 +24,14 @@ from typing import Any
 from jaxrl_async.buffer import BufferClosed, BufferTimeout, VersionedBuffer
 from jaxrl_async.metrics import RoleTimer
 from jaxrl_async.roles import RoleThread
+from jaxrl_async.rollout.decisions import (
+  DRAIN,
+  KEEP,
+  may_admit,
+  on_new_version,
+  resume_strategy,
+  should_step,
+)
 from jaxrl_async.rollout.generation import ContinuousBatcher
 from jaxrl_async.rollout.rewards import RewardPool
 from jaxrl_async.sync.channel import WeightChannel
@@ -113,7 +123,8 @@ class Rollouter(RoleThread):
       self._honor_pause()
       self._maybe_swap()
       self._admit()
-      if self.batcher.num_active or (self.batcher.num_pending and not self._draining):
+      if should_step(active=self.batcher.num_active, pending=self.batcher.num_pending,
+                     draining=self._draining):
         with self.timer.busy("rollout"):
           finished = self.batcher.step(admit=not self._draining)
         if finished:
@@ -136,27 +147,28 @@ class Rollouter(RoleThread):
         return
 
   def _maybe_swap(self) -> None:
-    latest = self.channel.latest_version()
-    if latest <= self.batcher.version:
+    decision = on_new_version(self.channel.latest_version(), self.batcher.version,
+                              partial_rollout=self.partial_rollout,
+                              in_flight=self.batcher.num_active > 0)
+    if decision == KEEP:
       return
-    if not self.partial_rollout and self.batcher.num_active:
+    if decision == DRAIN:
       self._draining = True  # finish in-flight samples on the old weights first
       return
     version, params = self.channel.fetch()
     with self.timer.busy("rollout"):
       interrupted = self.batcher.set_params(
-          params, version, partial_strategy=self.partial_strategy if self.partial_rollout
-          else None)
+          params, version,
+          partial_strategy=resume_strategy(self.partial_rollout, self.partial_strategy))
     self.counts["interrupted"] += interrupted
     self.counts["swaps"] += 1
     self._draining = False
     self.buffer.publish_version(version)
 
   def _admit(self) -> None:
-    if self._draining:
-      return
     slots = self.batcher.engine.max_concurrent_decodes
-    while self.batcher.num_active + self.batcher.num_pending < slots + self.group_size:
+    while may_admit(draining=self._draining, slots=slots, group_size=self.group_size,
+                    load=self.batcher.num_active + self.batcher.num_pending):
       if not self._reissue and self.buffer.available_slots <= 0:
         return
       if self._reissue and self._reissue[0]["missing"] != list(range(self.group_size)):

@@ -19,6 +19,7 @@ from typing import Any
 
 from jaxrl_async.buffer import BufferClosed
 from jaxrl_async.buffer.client import as_buffer_client
+from jaxrl_async.rollout.decisions import admission_room
 from jaxrl_async.rollout.rollouter import Rollouter
 
 
@@ -49,7 +50,7 @@ class ServerRollouter(Rollouter):
   def _admit(self) -> None:
     if self._draining:
       return
-    limit = self.batcher.engine.max_concurrent_decodes + self.group_size
+    limit = admission_room(self.batcher.engine.max_concurrent_decodes, self.group_size)
     load = self.batcher.num_active + self.batcher.num_pending
     waiting = []
     for entry in self._reissue:  # groups that already hold an admission start at once

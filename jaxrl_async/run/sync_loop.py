@@ -14,6 +14,16 @@ import jax
 
 from jaxrl_async import faults
 from jaxrl_async.checkpoint import RunCheckpointer
+from jaxrl_async.learner.sync_schedule import (
+  Admit,
+  Generate,
+  Publish,
+  Score,
+  Take,
+  Train,
+  advance,
+  sync_schedule,
+)
 from jaxrl_async.ledger import LEDGER_FILE, SampleLedger, log_offsets, rewind_logs
 from jaxrl_async.metrics import RoleTimer, staleness_metrics, sum_pairs
 from jaxrl_async.run.build import (
@@ -90,61 +100,74 @@ def run_sync(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print):
                       describe=describe)
   try:
     with watchdog:
-      while version < cfg.num_versions:
-        if version % cfg.eval_every_versions == 0 and evaluated != version:
-          with timer.excluded():
-            last_eval = evaluator(state.params, version)
-          evaluated = version
-          writer.write(eval_record(version, state, consumed, timer, last_eval))
-        # Where this version starts: a Ctrl-C before its first update checkpoints this point.
-        boundary = (prompts.get_state(), next_group, state, run_state_now())
-        requests = []
-        for _ in range(cfg.groups_per_version):
-          buffer.acquire_group_slot(timeout=ADMISSION_TIMEOUT_S)
-          requests += make_group_requests(next(prompts), next_group,
-                                          cfg.group_size, cfg.seed)
-          next_group += 1
-        with timer.busy("rollout"):
-          samples = batcher.run_to_completion(requests)
-        for sample in rollout.rewards.score_all(samples):
-          buffer.put(sample, timeout=ADMISSION_TIMEOUT_S)
-        groups = take_ready(buffer, version)
-        if cfg.debug_checks:
-          gap = staleness_metrics(groups, version)["algo/version_gap_max"]
-          assert gap == 0, f"sync mode consumed a token with version gap {gap}"
-        accumulated: dict = {}
-        with timer.busy("learner"):
-          for local in range(cfg.trigger_parameter_sync_step):
+      # The order of the stages is `sync_schedule`'s (shared with the simulator); each
+      # effect is performed here.
+      schedule = sync_schedule(start_version=version, num_versions=cfg.num_versions,
+                               groups_per_update=cfg.groups_per_update,
+                               trigger=cfg.trigger_parameter_sync_step)
+      effect, ready, accumulated = advance(schedule), [], {}
+      while effect is not None:
+        result = None
+        match effect:
+          case Admit(count=count):
+            if version % cfg.eval_every_versions == 0 and evaluated != version:
+              with timer.excluded():
+                last_eval = evaluator(state.params, version)
+              evaluated = version
+              writer.write(eval_record(version, state, consumed, timer, last_eval))
+            # Where this version starts: a Ctrl-C before its first update checkpoints this
+            # point.
+            boundary = (prompts.get_state(), next_group, state, run_state_now())
+            requests = []
+            for _ in range(count):
+              buffer.acquire_group_slot(timeout=ADMISSION_TIMEOUT_S)
+              requests += make_group_requests(next(prompts), next_group,
+                                              cfg.group_size, cfg.seed)
+              next_group += 1
+          case Generate():
+            with timer.busy("rollout"):
+              samples = batcher.run_to_completion(requests)
+          case Score():
+            for sample in rollout.rewards.score_all(samples):
+              buffer.put(sample, timeout=ADMISSION_TIMEOUT_S)
+            ready = take_ready(buffer, version)
+            if cfg.debug_checks:
+              gap = staleness_metrics(ready, version)["algo/version_gap_max"]
+              assert gap == 0, f"sync mode consumed a token with version gap {gap}"
+            accumulated = {}
+          case Take(count=count):
             # After drops a chunk may be short: it trains as it is (padded with empty rows).
-            chunk = groups[local * cfg.groups_per_update:(local + 1) * cfg.groups_per_update]
-            if not chunk:
-              break
-            state, metrics = learner_update(parts.learner, state, chunk, window_params,
-                                            version, local)
-            accumulated = sum_pairs(accumulated, jax.device_get(metrics))
-        consumed += sum(len(g) for g in groups)
-        tokens_consumed += sum(s.num_response_tokens for g in groups for s in g)
-        faults.point("sync.publish")
-        with timer.busy("sync"):
-          began = time.perf_counter()
-          window_params = copy_params(state.params) if cfg.needs_window_params else None
-          batcher.set_params(copy_params(state.params), version + 1)
-          jax.block_until_ready(batcher.params)
-          sync_latency = time.perf_counter() - began
-        version += 1
-        buffer.publish_version(version)
-        watchdog.progress()
-        ledger.consumed(version, groups)
-        record = version_record(cfg, timer, version, state, groups, accumulated, consumed,
-                                tokens_consumed, sync_latency)
-        record.update(buffer.metrics())
-        record.update(reward_metrics(rollout.rewards))
-        writer.write(record)
-        show_version(bar, record, last_eval, gap=False)
-        if version % cfg.checkpoint_every_versions == 0 or version == cfg.num_versions:
-          with timer.excluded():
-            checkpointer.save(version, state, prompts, run_state_now())
-          watchdog.progress()  # a checkpoint that finished is progress too
+            result, ready = ready[:count], ready[count:]
+          case Train(groups=chunk, local=local):
+            with timer.busy("learner"):
+              state, metrics = learner_update(parts.learner, state, chunk, window_params,
+                                              version, local)
+              accumulated = sum_pairs(accumulated, jax.device_get(metrics))
+          case Publish(version=new_version, consumed=groups):
+            consumed += sum(len(g) for g in groups)
+            tokens_consumed += sum(s.num_response_tokens for g in groups for s in g)
+            faults.point("sync.publish")
+            with timer.busy("sync"):
+              began = time.perf_counter()
+              window_params = copy_params(state.params) if cfg.needs_window_params else None
+              batcher.set_params(copy_params(state.params), new_version)
+              jax.block_until_ready(batcher.params)
+              sync_latency = time.perf_counter() - began
+            version = new_version
+            buffer.publish_version(version)
+            watchdog.progress()
+            ledger.consumed(version, groups)
+            record = version_record(cfg, timer, version, state, groups, accumulated, consumed,
+                                    tokens_consumed, sync_latency)
+            record.update(buffer.metrics())
+            record.update(reward_metrics(rollout.rewards))
+            writer.write(record)
+            show_version(bar, record, last_eval, gap=False)
+            if version % cfg.checkpoint_every_versions == 0 or version == cfg.num_versions:
+              with timer.excluded():
+                checkpointer.save(version, state, prompts, run_state_now())
+              watchdog.progress()  # a checkpoint that finished is progress too
+        effect = advance(schedule, result)
       if evaluated != version:
         with timer.excluded():
           last_eval = evaluator(state.params, version)

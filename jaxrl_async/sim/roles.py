@@ -1,17 +1,15 @@
-"""The roles' control flow on the virtual clock, against the real `VersionedBuffer`.
+"""The rollout side on the virtual clock, against the real `VersionedBuffer`.
 
-- `SimRollouter` follows `rollout/rollouter.py`: on a newer published version, with
-  `partial_rollout` off it stops starting samples and lets the ones in flight finish, then swaps;
-  with it on it swaps at the next step boundary and resumes the interrupted samples. It admits
-  groups through the buffer (`available_slots`, `acquire_group_slot`) while a replica has room
-  for `slots + group_size` samples, and puts every scored sample into the buffer. All replicas
-  swap to a version before the buffer is told the rollout side holds it (`publish_version`), so
-  a group admitted in window v is generated with weights >= v.
-- `SimLearner.run` follows `LearnerRole.run` step by step: take `groups_per_update` groups,
-  check them with the real `check_staleness`, update, and after `trigger_parameter_sync_step`
-  updates take the groups already queued at the new version before publishing it.
-- `sync_loop` follows `sync_loop.run_sync`: generate one version's groups, score them all,
-  update on them chunk by chunk, push the weights; each stage waits for the previous one.
+- `Process` runs a generator of work and waits on the clock (the learner's and the sync loop's
+  drivers, `sim/drivers.py`).
+- `ReadyGroups` puts samples into the buffer and says when `get_groups` should find groups.
+- `SimRollouter` makes the decisions of `rollout/rollouter.py` with the same functions
+  (`rollout/decisions.py`): on a newer published version, with `partial_rollout` off it drains,
+  then swaps; with it on it swaps at the next step boundary and resumes the interrupted samples.
+  It admits groups through the buffer (`available_slots`, `acquire_group_slot`) while a replica
+  has room, and puts every scored sample into the buffer. All replicas swap to a version before
+  the buffer is told the rollout side holds it (`publish_version`), so a group admitted in
+  window v is generated with weights >= v.
 
 The buffer is called only with non-blocking arguments: admission when `available_slots > 0`,
 puts of admitted groups (which never fill it), and `get_groups` with a tiny timeout when the
@@ -23,8 +21,15 @@ from __future__ import annotations
 from collections.abc import Callable, Generator
 
 from jaxrl_async.buffer import BufferTimeout, VersionedBuffer
-from jaxrl_async.learner.learner import check_staleness
-from jaxrl_async.sim.clock import Clock, Device
+from jaxrl_async.rollout.decisions import (
+  DRAIN,
+  KEEP,
+  may_admit,
+  on_new_version,
+  resume_strategy,
+  should_step,
+)
+from jaxrl_async.sim.clock import Clock
 from jaxrl_async.sim.replicas import Replica, ReplicaPool
 from jaxrl_async.types import Sample
 
@@ -184,21 +189,24 @@ class SimRollouter:
     if self._maybe_swap(replica):
       return
     self._admit()
-    if replica.active or (replica.pending and not self.draining):
+    if should_step(active=len(replica.active), pending=len(replica.pending),
+                   draining=self.draining):
       self.pool.step(replica, admit=not self.draining)
 
   def _maybe_swap(self, replica: Replica) -> bool:
-    if self.latest <= replica.version:
-      return False
     replicas = self.pool.replicas
-    if not self.partial_rollout:
-      if any(r.active for r in replicas):
-        self.draining = True  # finish in-flight samples on the old weights first
-        return False
-      behind = [r for r in replicas if r.version < self.latest and not r.device.busy]
-    else:
+    decision = on_new_version(self.latest, replica.version, partial_rollout=self.partial_rollout,
+                              in_flight=any(r.active for r in replicas))
+    if decision == KEEP:
+      return False
+    if decision == DRAIN:
+      self.draining = True  # finish in-flight samples on the old weights first
+      return False
+    if self.partial_rollout:  # this replica swaps at its step boundary
       behind = [replica]
-    strategy = self.partial_strategy if self.partial_rollout else None
+    else:  # the slots are empty: every idle replica behind swaps now
+      behind = [r for r in replicas if r.version < self.latest and not r.device.busy]
+    strategy = resume_strategy(self.partial_rollout, self.partial_strategy)
     for r in behind:
       self.counts["interrupted"] += self.pool.swap(r, self.latest, strategy,
                                                    lambda r=r: self._swapped(r))
@@ -217,13 +225,11 @@ class SimRollouter:
     self.turn(replica)
 
   def _admit(self) -> None:
-    if self.draining:
-      return
     pool, buffer = self.pool, self.buffer
-    room = pool.slots + self.group_size
     while True:
       replica = pool.least_loaded()
-      if replica.load >= room or buffer.available_slots <= 0:
+      if not may_admit(draining=self.draining, load=replica.load, slots=pool.slots,
+                       group_size=self.group_size) or buffer.available_slots <= 0:
         return
       buffer.acquire_group_slot(timeout=NO_WAIT_S)
       replica.pending.extend(pool.new_group(self.next_group_id, self.group_size))
@@ -244,133 +250,3 @@ class SimRollouter:
       for replica in self.pool.replicas:
         if not replica.device.busy:
           self.clock.at(self.clock.now, self.turn, replica)
-
-
-class SimLearner:
-  """`LearnerRole.run` on the virtual clock; `update_s(groups, local)` models one update."""
-
-  def __init__(self, *, device: Device, ready: ReadyGroups, publish: Callable[[int], None],
-               update_s: Callable[[list, int], float], sync_s: float, overhead_s: float,
-               groups_per_update: int,
-               trigger_parameter_sync_step: int, num_versions: int, on_policy: bool,
-               max_version_gap: int | None, debug_checks: bool,
-               on_version: Callable[[int, list, dict, float], None]):
-    self.device = device
-    self.ready = ready
-    self.publish = publish
-    self.update_s = update_s
-    self.sync_s = sync_s
-    self.overhead_s = overhead_s  # host time per version on this thread (the record etc.)
-    self.groups_per_update = groups_per_update
-    self.trigger = trigger_parameter_sync_step
-    self.num_versions = num_versions
-    self.on_policy = on_policy
-    self.max_version_gap = max_version_gap
-    self.on_version = on_version
-    self.debug_checks = debug_checks
-    self.version = 0
-    self.updates = 0
-    self.wait_s = 0.0
-    self.latest_published = -1
-
-  def _get_groups(self, clock: Clock):
-    groups = self.ready.take(self.groups_per_update, self.version)
-    began = clock.now
-    while groups is None:
-      yield ("wait", "groups")
-      groups = self.ready.take(self.groups_per_update, self.version)
-    self.wait_s += clock.now - began
-    return groups
-
-  def run(self, clock: Clock):
-    if self.latest_published < self.version:
-      yield ("work", self.device, self.sync_s, "sync")
-      self._publish(self.version)
-    ready = None  # groups taken for this version before it was published
-    while self.version < self.num_versions:
-      consumed = []
-      for local in range(self.trigger):
-        groups, ready = (ready, None) if ready is not None else (
-            (yield from self._get_groups(clock)), None)
-        if self.debug_checks:
-          check_staleness(groups, self.version, on_policy=self.on_policy,
-                          max_version_gap=self.max_version_gap)
-        yield ("work", self.device, self.update_s(groups, local), "learner")
-        self.updates += 1
-        consumed.extend(groups)
-      self.version += 1
-      # Groups already queued are taken at the new version before it is announced.
-      if self.version < self.num_versions:
-        ready = self.ready.take(self.groups_per_update, self.version)
-      yield ("work", self.device, self.sync_s, "sync")
-      self._publish(self.version)
-      self.on_version(self.version, consumed, {"learner/wait_s": self.wait_s}, self.sync_s)
-      if self.overhead_s and self.version < self.num_versions:
-        yield ("work", self.device, self.overhead_s, "host")
-
-  def _publish(self, version: int) -> None:
-    self.latest_published = version
-    self.publish(version)
-
-
-def sync_loop(clock: Clock, *, pool: ReplicaPool, buffer: VersionedBuffer, ready: ReadyGroups,
-              learner: Device, update_s: Callable[[list, int], float], sync_s: float,
-              overhead_s: float, group_size: int, groups_per_update: int,
-              trigger_parameter_sync_step: int, num_versions: int, state: dict,
-              process: list, debug_checks: bool,
-              on_version: Callable[[int, list, dict, float], None]):
-  """`sync_loop.run_sync` on the virtual clock: each stage ends before the next begins."""
-  finished: list[Sample] = []
-  scored: list[Sample] = []
-  # `process`: the caller puts the Process that runs this generator in it, to be woken.
-
-  def on_turn(replica: Replica) -> None:
-    if not pool.step(replica, admit=True) and all(
-        not r.device.busy and not r.active and not r.pending for r in pool.replicas):
-      process[0].wake("generated")
-
-  def on_rewarded(samples: list[Sample]) -> None:
-    scored.extend(samples)
-    if len(scored) == len(finished):
-      process[0].wake("scored")
-
-  pool.on_turn, pool.on_finished, pool.on_rewarded = on_turn, finished.extend, on_rewarded
-  groups_per_version = groups_per_update * trigger_parameter_sync_step
-  version, next_group = 0, 0
-  for replica in pool.replicas:
-    replica.version = version
-  while version < num_versions:
-    if overhead_s:
-      yield ("work", learner, overhead_s, "host")
-    for _ in range(groups_per_version):
-      buffer.acquire_group_slot(timeout=NO_WAIT_S)
-      pool.least_loaded().pending.extend(pool.new_group(next_group, group_size))
-      next_group += 1
-    for replica in pool.replicas:
-      clock.at(clock.now, on_turn, replica)
-    began = clock.now
-    yield ("wait", "generated")
-    state["generate_s"] = state.get("generate_s", 0.0) + clock.now - began
-    pool.score(list(finished))
-    yield ("wait", "scored")
-    ready.put_many(scored, NO_WAIT_S)
-    finished.clear()
-    scored.clear()
-    consumed = []
-    for local in range(trigger_parameter_sync_step):
-      # After drops a chunk may be short: it trains as it is.
-      count = min(groups_per_update, ready.estimate)
-      groups = ready.take(count, version) if count else None
-      if not groups:
-        break
-      if debug_checks:
-        check_staleness(groups, version, on_policy=True, max_version_gap=0)
-      yield ("work", learner, update_s(groups, local), "learner")
-      state["updates"] = state.get("updates", 0) + 1
-      consumed.extend(groups)
-    yield ("work", learner, sync_s, "sync")
-    version += 1
-    for replica in pool.replicas:
-      replica.version = version
-    buffer.publish_version(version)
-    on_version(version, consumed, {}, sync_s)

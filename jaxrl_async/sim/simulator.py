@@ -19,9 +19,10 @@ from jaxrl_async.buffer import VersionedBuffer, admission_budget
 from jaxrl_async.config import RunConfig
 from jaxrl_async.metrics import JsonlWriter, staleness_metrics
 from jaxrl_async.sim.clock import Clock, Device, Host
+from jaxrl_async.sim.drivers import SimLearner, sync_loop
 from jaxrl_async.sim.profile import LearnerCost, Profile
 from jaxrl_async.sim.replicas import ReplicaPool
-from jaxrl_async.sim.roles import Process, ReadyGroups, SimLearner, SimRollouter, sync_loop
+from jaxrl_async.sim.roles import Process, ReadyGroups, SimRollouter
 
 ROLES = ("rollout", "reward", "learner", "sync")
 

@@ -107,7 +107,8 @@ def test_the_compiled_update_equals_the_jitted_one(mesh, trigger):
                               parts.learner.mesh.size)
   # 'recompute' with two updates a version: the anchored update is compiled too.
   assert len(parts.learner.update.executables) == len(counts) * (2 if trigger == 2 else 1)
-  plain = dataclasses.replace(parts, update=parts.learner.update.jitted, logprobs=parts.learner.logprobs.jitted)
+  plain = dataclasses.replace(parts.learner, update=parts.learner.update.jitted,
+                              logprobs=parts.learner.logprobs.jitted)
   window = build_lib.copy_params(parts.learner.initial_state.params)
   for seed in range(3):
     groups = _real_groups(parts, seed)
@@ -117,11 +118,13 @@ def test_the_compiled_update_equals_the_jitted_one(mesh, trigger):
     for local in range(trigger):
       state = jax.tree.map(lambda x: x.copy(), parts.learner.initial_state)
       before = dict(parts.learner.update.calls)
-      ahead, ahead_metrics = build_lib.learner_update(parts.learner, state, groups, window, 0, local)
+      ahead, ahead_metrics = build_lib.learner_update(parts.learner, state, groups, window, 0,
+                                                      local)
       assert parts.learner.update.calls["ahead_of_time"] == before["ahead_of_time"] + 1
       assert parts.learner.update.calls["jit"] == before["jit"]
       state = jax.tree.map(lambda x: x.copy(), parts.learner.initial_state)
-      jitted, jitted_metrics = build_lib.learner_update(plain, state, groups, window, 0, local)
+      jitted, jitted_metrics = build_lib.learner_update(plain, state, groups, window, 0,
+                                                        local)
       for a, b in zip(jax.tree.leaves(ahead.params), jax.tree.leaves(jitted.params),
                       strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
