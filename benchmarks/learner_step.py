@@ -61,16 +61,17 @@ def main(argv=None) -> int:
             "real_tokens_per_batch": float(np.mean(real_tokens))}
   state = parts.learner.initial_state
   for packed in (True, False):
-    parts.config = dataclasses.replace(cfg, pack_sequences=packed)
-    laid_out = [int(np.prod(build_lib.make_batch(parts.learner, groups).tokens.shape))
+    learner = dataclasses.replace(parts.learner,
+                                  config=dataclasses.replace(cfg, pack_sequences=packed))
+    laid_out = [int(np.prod(build_lib.make_batch(learner, groups).tokens.shape))
                 for groups in data]
     for groups in data:  # compile every shape first
-      state, metrics = build_lib.learner_update(parts.learner, state, groups, None, 0, 0)
+      state, metrics = build_lib.learner_update(learner, state, groups, None, 0, 0)
       jax.device_get(metrics)
     began = time.perf_counter()
     for _ in range(args.repeats):
       for groups in data:
-        state, metrics = build_lib.learner_update(parts.learner, state, groups, None, 0, 0)
+        state, metrics = build_lib.learner_update(learner, state, groups, None, 0, 0)
         jax.device_get(metrics)
     ms = 1e3 * (time.perf_counter() - began) / (args.repeats * len(data))
     name = "packed" if packed else "one_row_per_sample"

@@ -1,6 +1,6 @@
 """RunConfig: every knob of a run, validated at start with the knob's name and allowed range.
 
-Knob names and meanings follow verl (README, "Knobs"):
+Knob names and meanings follow verl (docs/knobs.md):
   N = mini_batch_size * require_batches * trigger_parameter_sync_step groups per policy version.
 One local update is one optimizer step on `require_batches` mini-batches of `mini_batch_size`
 groups; `trigger_parameter_sync_step` local updates make one policy version.

@@ -1,6 +1,6 @@
 """The one metric vocabulary, role timers and sinks.
 
-Names (README, "Metrics"): system/samples_per_s, system/tokens_per_s, system/steps_per_hour,
+Names (docs/metrics.md): system/samples_per_s, system/tokens_per_s, system/steps_per_hour,
 <role>/busy_s, <role>/idle_ratio (over the whole run); queue/...; sync/latency_s, sync/bytes,
 sync/interval_steps; algo/version_gap_mean|max, algo/stale_ratio, algo/partial_ratio,
 algo/max_partial_span, algo/kl, algo/clipfrac, algo/entropy, algo/is_weight_mean|max,

@@ -37,9 +37,15 @@ CASES += [("gin/modes/sync.gin", "sync.publish", 3, ()),
 PROCESSES = ("RunConfig.backend = 'processes'", "RunConfig.heartbeat_timeout_s = 10.0")
 PROCESSES_CASES = [("gin/modes/async_partial.gin", "learner.trained", 5, PROCESSES),
                    ("gin/modes/async_partial.gin", "rollout.decode_step", 60, PROCESSES)]
+# The Ray backend: the driver's watchdog, a hung learner and a rollout actor hung in its decode
+# loop (the fault plan reaches the actors through their environment).
+RAY = ("RunConfig.backend = 'ray'", "RunConfig.ray_rollout_cpus = 0.5",
+       "RunConfig.heartbeat_timeout_s = 10.0")
+RAY_CASES = [("gin/modes/async_partial.gin", "learner.trained", 5, RAY),
+             ("gin/modes/async_partial.gin", "rollout.decode_step", 60, RAY)]
 
 
-def _hang_each(cases, tmp_path) -> None:
+def _hang_each(cases, tmp_path, env=None) -> None:
   """Runs the cases AT_ONCE at a time; each must end with the watchdog's code, naming its point."""
   failures = []
   for first in range(0, len(cases), AT_ONCE):
@@ -47,7 +53,8 @@ def _hang_each(cases, tmp_path) -> None:
     for i, (gin_file, point, hit, extra) in enumerate(cases[first:first + AT_ONCE], start=first):
       bindings = BINDINGS + extra + ("RunConfig.total_samples = 10000000",)
       runs.append((point, gin_file, run_lives.start(tmp_path / f"run{i}", gin_file, bindings,
-                                                    faults_plan=f"{point}=hang@{hit}")))
+                                                    faults_plan=f"{point}=hang@{hit}",
+                                                    env=env)))
     for point, gin_file, process in runs:
       code, out, err, seconds = run_lives.finish(process, BOUND_S)
       if code != EXIT_CODE or f"blocked at fault point {point}" not in err:
@@ -67,6 +74,19 @@ def test_a_hang_at_each_point_ends_the_run_within_its_bound(tmp_path):
 @pytest.mark.timeout(1500)
 def test_a_hang_in_the_learner_or_a_rollout_server_process_ends_the_run(tmp_path):
   _hang_each(PROCESSES_CASES, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_a_hang_in_the_ray_driver_or_a_rollout_actor_ends_the_run(tmp_path):
+  pytest.importorskip("ray")
+  from jaxrl_async.backends.ray import placement
+  cluster = placement.start_local_cluster([{"num_cpus": 2}])
+  try:
+    _hang_each(RAY_CASES, tmp_path, env={"RAY_ADDRESS": cluster.address,
+                                         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
+  finally:
+    placement.stop_local_cluster(cluster)
 
 
 @pytest.mark.slow

@@ -2,7 +2,7 @@
 
 With N groups consumed per policy version and staleness threshold s >= 0, the Rollouter may have
 at most `budget = floor((1 + s) * N)` groups charged to the current version window
-(README, "Knobs"). The ledger below is plain bookkeeping; the buffer holds the lock.
+(docs/knobs.md). The ledger below is plain bookkeeping; the buffer holds the lock.
 
 Ledger rules (`used` is what the current window is charged):
 

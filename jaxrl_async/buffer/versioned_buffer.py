@@ -342,7 +342,7 @@ class VersionedBuffer:
       return counts
 
   def metrics(self) -> dict[str, float]:
-    """The queue metrics (README, "Metrics") (latency NaN before the first consumed sample)."""
+    """The queue metrics (docs/metrics.md) (latency NaN before the first consumed sample)."""
     with self._lock:
       acc = self._acc
       metrics = {

@@ -15,7 +15,7 @@ import pytest
 
 import gin
 from jaxrl_async import config as config_lib
-from jaxrl_async.backends.processes import fleet
+from jaxrl_async.backends import base
 from jaxrl_async.config import RunConfig
 from jaxrl_async.learner.sft import WarmStartConfig
 from jaxrl_async.ledger import read_events
@@ -127,7 +127,7 @@ def check_ledger(summary, ledger, config):
   assert summary["ledger/unknown"] == 0
   assert summary["ledger/consumed"] == summary["consumed_samples"]
   assert summary["ledger/produced"] == GROUP_SIZE * len(
-      fleet.produced_groups(summary["rollout/next_group_ids"]))
+      base.produced_groups(summary["rollout/next_group_ids"]))
   assert summary.get("ledger/dropped/shutdown", 0) == (
       summary.get("queue/dropped/shutdown", 0) + summary["rollout/shutdown"]
       + summary["rollout/unstarted_shutdown"])

@@ -297,8 +297,8 @@ def test_a_killed_rollout_actor_mid_run_loses_and_duplicates_no_prompt(cluster, 
   the stop's answer)."""
   del cluster
   if heartbeat_s is not None:
-    from jaxrl_async.runtime import processes
-    monkeypatch.setattr(processes, "HEARTBEAT_INTERVAL_S", heartbeat_s)
+    from jaxrl_async.backends.ray.backend import RayFleet
+    monkeypatch.setattr(RayFleet, "heartbeat_s", heartbeat_s)
   config = processes_tests.small_config(12, **RAY_PLACEMENT)
   summary, victim, ledger = processes_tests.run_with_fault(config, tmp_path, signal.SIGKILL,
                                                            at_version=3)
@@ -321,7 +321,7 @@ def test_a_stopped_rollout_actor_is_found_by_the_heartbeat_and_restarted(cluster
   silent, kills it, Ray restarts it, and its groups in flight are re-issued once, counted as
   `server_unresponsive`."""
   del cluster
-  from jaxrl_async.runtime import ray_run
+  from jaxrl_async.backends.ray import backend as ray_run
   monkeypatch.setattr(ray_run, "SILENCE_MIN_S", 8.0)  # the floor kept for slow restarts
   config = processes_tests.small_config(12, heartbeat_timeout_s=2.0, **RAY_PLACEMENT)
   summary, victim, ledger = processes_tests.run_with_fault(config, tmp_path, signal.SIGSTOP,

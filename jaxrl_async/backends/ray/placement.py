@@ -24,6 +24,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from jaxrl_async import faults
+
 # Seconds a Ray call may take beyond its own timeout (scheduling, serialization).
 RPC_MARGIN_S = 30.0
 # Concurrent calls an actor serves: blocked admission or get_groups must not hold up puts.
@@ -77,7 +79,7 @@ def role_options(*, node_resource: str | None = None, num_cpus: float = 1.0,
 def thread_env(num_threads: int) -> dict[str, str]:
   """Environment for a role process that should use `num_threads` cores (BLAS pools of that
   size; one core: XLA's CPU backend without its multi-threaded Eigen pool). The caller's
-  XLA_FLAGS and JAX_PLATFORMS (e.g. forced host devices) carry over."""
+  XLA_FLAGS, JAX_PLATFORMS (e.g. forced host devices) and fault plan carry over."""
   if not isinstance(num_threads, int) or num_threads < 1:
     raise ValueError(f"num_threads must be an int >= 1, got {num_threads!r}")
   flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
@@ -87,8 +89,9 @@ def thread_env(num_threads: int) -> dict[str, str]:
   env = {name: str(num_threads) for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
                                              "MKL_NUM_THREADS")}
   env["XLA_FLAGS"] = flags.strip()
-  if os.environ.get("JAX_PLATFORMS"):
-    env["JAX_PLATFORMS"] = os.environ["JAX_PLATFORMS"]
+  for name in ("JAX_PLATFORMS", faults.ENV):  # a fault plan reaches the actors too
+    if os.environ.get(name):
+      env[name] = os.environ[name]
   return env
 
 
