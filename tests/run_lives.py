@@ -134,7 +134,8 @@ def books(run_dir) -> dict:
   eval_records = [r["policy_version"] for r in records
                   if "eval/accuracy" in r and "result/reward_mean" not in r]
   consumed_groups = [g for e in events if e["event"] == "consumed" for g in e["groups"]]
-  return {"summary": summary, "audit": audit, "version_records": version_records,
+  return {"summary": summary, "audit": audit, "events": events,
+          "version_records": version_records,
           "eval_records": eval_records, "consumed_groups": consumed_groups,
           "figures": {"produced": audit["produced"], "consumed": audit["consumed"],
                       "dropped": audit["dropped"], "missing": len(audit["missing"]),
@@ -142,9 +143,22 @@ def books(run_dir) -> dict:
                       "accuracy": summary.get("eval/accuracy")}}
 
 
+def missing_context(report: dict) -> str:
+  """Where the lost samples' groups were seen: the ledger events that name them, and the
+  summary's rollout and queue figures (to say, the next time a sample is lost, where)."""
+  groups = {int(g) for g, _ in report["audit"]["missing"][:20]}
+  events = [e for e in report["events"]
+            if set(e.get("groups", [])) & groups
+            or any(int(g) in groups for g, _ in e.get("samples", []))]
+  figures = {k: v for k, v in report["summary"].items()
+             if k.startswith(("rollout/", "queue/", "runtime/", "ledger/"))}
+  return f"events naming those groups: {events}\nsummary: {figures}"
+
+
 def check_books(report: dict, num_versions: int) -> None:
   audit = report["audit"]
-  assert audit["missing"] == [], f"lost samples: {audit['missing'][:20]}"
+  assert audit["missing"] == [], (f"lost samples: {audit['missing'][:20]}\n"
+                                  f"{missing_context(report)}")
   assert audit["duplicates"] == [], f"samples counted twice: {audit['duplicates'][:20]}"
   assert audit["unknown"] == [], audit["unknown"][:20]
   assert len(report["consumed_groups"]) == len(set(report["consumed_groups"]))

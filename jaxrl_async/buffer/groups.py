@@ -132,3 +132,12 @@ def decode_sample(data: dict[str, Any]) -> Sample:
   data = dict(data)
   data["reward"] = float(data["reward"])
   return Sample.from_dict(data)
+
+
+def split_stale(ready: list, learner_version: int, max_version_gap: int) -> tuple[list, list]:
+  """(fresh, stale) ready groups, each in its order: a group is stale when any of its tokens
+  is more than `max_version_gap` versions older than `learner_version`."""
+  fresh, stale = [], []
+  for group in ready:
+    (stale if group.is_stale(learner_version, max_version_gap) else fresh).append(group)
+  return fresh, stale

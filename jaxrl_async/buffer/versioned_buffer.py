@@ -5,27 +5,10 @@ Producer (Rollouter):  slot_version = acquire_group_slot(timeout)   # admission,
                        publish_version(v) when the rollout side holds weights v
 Consumer (Learner):    get_groups(num_groups, learner_version, timeout) -> whole groups
 
-Semantics (see admission.py for the ledger, groups.py for the drop reasons):
-- A group is released only when all `group_size` members arrived. A group with a failed member
-  is dropped whole under one reason; otherwise `group_filter(group)` may drop it
-  (`filtered_group`). Ready groups are served FIFO in order of completion, members sorted by
-  `meta['index_in_group']`.
-- Age bound: a ready group with any token older than `max_version_gap` versions relative to
-  the `learner_version` of a `get_groups` call is dropped as `stale` and never returned.
-- Capacity bounds the samples held (partial + ready groups); `put` blocks while it is full.
-  Admitted groups alone never fill it: outstanding groups <= budget and
-  capacity >= group_size * budget is enforced (a smaller capacity can deadlock: producers
-  blocked on a full buffer of partial groups, none of which can complete). Groups put without
-  `acquire_group_slot` ("unadmitted") are accepted and bounded only by capacity; they are
-  outside the admission ledger, so the staleness guarantee of `staleness_threshold` does not
-  cover them, and interleaving many of them can fill the buffer with partial groups.
-- Admissions are a pool: the first sample of a new group takes any admitted-but-unstarted slot.
-- `close()` wakes every blocked call with BufferClosed (as every later blocking call); queued
-  samples stay for a checkpoint until `discard_queued`.
-- Timeouts are seconds of `time.monotonic`; `clock` only stamps samples ('enqueued',
-  'consumed') and so measures queue latency.
-- Thread-safe: one lock, three conditions, waits with timeouts, short critical sections.
-  `group_filter` runs under the lock: it must be cheap and must not call the buffer.
+Semantics: docs/architecture.md ("Admission", "Age bound, group assembly and drops", "The
+buffer's mechanics"); admission.py keeps the admission ledger, groups.py the drop reasons.
+Thread-safe: one lock, three conditions, waits with timeouts, short critical sections;
+`group_filter` runs under the lock (cheap, and never calls the buffer).
 """
 
 from __future__ import annotations
@@ -37,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxrl_async import faults
-from jaxrl_async.buffer import buffer_state
+from jaxrl_async.buffer import buffer_state, observe
 from jaxrl_async.buffer.accounting import LatencyStats, SampleAccounting, check_drop_reason
 from jaxrl_async.buffer.admission import AdmissionLedger
 from jaxrl_async.buffer.errors import (
@@ -56,12 +39,12 @@ from jaxrl_async.buffer.groups import (
   index_in_group,
   sample_drop_rank,
   sample_min_version,
+  split_stale,
 )
-from jaxrl_async.types import DROP_REASONS, Sample
+from jaxrl_async.types import Sample
 
-# After waking a consumer, the producer gives up its CPU slice so that the consumer takes the GIL
-# now instead of after the interpreter's switch interval (5 ms): this cuts the queue latency
-# (enqueue -> consume) by about 5x in benchmarks/buffer_throughput.py.
+# After waking a consumer the producer yields its CPU slice, so the consumer takes the GIL now,
+# not after the switch interval: about 5x less queue latency (benchmarks/buffer_throughput.py).
 _yield_to_consumer = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 
 
@@ -94,15 +77,13 @@ class VersionedBuffer:
     self._waiting = {"admission": 0, "space": 0}
     self._consumers_wanting: list[int] = []  # num_groups of each waiting get_groups call
 
-    self._closed = False
-    self._rollout_version = 0
+    self._closed, self._rollout_version = False, 0
     self._ledger = AdmissionLedger(budget)
     self._acc = SampleAccounting()
     self._latency = LatencyStats()
     self._partial: dict[int, PartialGroup] = {}
     self._ready: list[ReadyGroup] = []  # FIFO; popped from the front in batches
-    # (reason, [(group_id, index_in_group), ...]) per drop, for the run's sample ledger
-    self._drop_log: list[tuple[str, list[tuple[int, int]]]] | None = [] if record_drops else None
+    self._drop_log: list | None = [] if record_drops else None  # (reason, uids): the ledger's
 
   # ---- producer side ------------------------------------------------------------------------
   def acquire_group_slot(self, timeout: float) -> int:
@@ -344,18 +325,7 @@ class VersionedBuffer:
   def metrics(self) -> dict[str, float]:
     """The queue metrics (docs/metrics.md) (latency NaN before the first consumed sample)."""
     with self._lock:
-      acc = self._acc
-      metrics = {
-          "queue/depth": float(acc.queued),
-          "queue/ready_groups": float(len(self._ready)),
-          "queue/admission_wait_s": float(acc.admission_wait_s),
-          "queue/put": float(acc.put),
-          "queue/consumed": float(acc.consumed),
-          "queue/outstanding_groups": float(self._ledger.outstanding),
-          "queue/rollout_version": float(self._rollout_version),
-      }
-      for reason in DROP_REASONS:
-        metrics[f"queue/dropped/{reason}"] = float(acc.dropped[reason])
+      metrics = observe.queue_metrics(self)
       latency = self._latency.snapshot()
     for name, value in LatencyStats.summarise(*latency).items():
       metrics[f"queue/latency_s_{name}"] = value
@@ -364,16 +334,7 @@ class VersionedBuffer:
   def check_invariants(self) -> None:
     """Raises AssertionError, with the numbers, if the accounting or the ledger is broken."""
     with self._lock:
-      held = sum(group.count for group in self._partial.values())
-      held += sum(len(group.samples) for group in self._ready)
-      problems = self._acc.problems(held)
-      problems += self._ledger.problems(
-          sum(group.admitted for group in self._partial.values()),
-          sum(group.admitted for group in self._ready))
-      if self._acc.queued > self._capacity:
-        problems.append(f"queued={self._acc.queued} > capacity={self._capacity}")
-      if any(group.count >= self._group_size for group in self._partial.values()):
-        problems.append("a complete group is still in the partial set")
+      problems = observe.invariant_problems(self)
     if problems:
       raise AssertionError("VersionedBuffer invariants violated: " + "; ".join(problems))
 
@@ -420,11 +381,7 @@ class VersionedBuffer:
         self._waiting[waiting] -= 1
 
   def _describe_locked(self) -> str:
-    ledger = self._ledger
-    return (f"rollout_version={self._rollout_version}, window used {ledger.used}/"
-            f"{ledger.budget} groups, outstanding_groups={ledger.outstanding} (in flight "
-            f"{ledger.in_flight}, partial {len(self._partial)}, ready {len(self._ready)}), "
-            f"queued {self._acc.queued}/{self._capacity} samples")
+    return observe.describe(self)
 
   def _drop_locked(self, samples: list[Sample], admitted: bool, reason: str) -> None:
     self._acc.record_drop(reason, len(samples), 1)
@@ -438,13 +395,6 @@ class VersionedBuffer:
   def _drop_stale_locked(self, learner_version: int) -> None:
     if self._max_version_gap is None:
       return
-    gap = self._max_version_gap
-    if not any(group.is_stale(learner_version, gap) for group in self._ready):
-      return
-    fresh = []
-    for group in self._ready:
-      if group.is_stale(learner_version, gap):
-        self._drop_locked(group.samples, group.admitted, "stale")
-      else:
-        fresh.append(group)
-    self._ready = fresh
+    self._ready, stale = split_stale(self._ready, learner_version, self._max_version_gap)
+    for group in stale:
+      self._drop_locked(group.samples, group.admitted, "stale")
