@@ -211,8 +211,7 @@ class Rollouter(RoleThread):
 
   def _on_rewarded(self, future, samples) -> None:
     try:
-      for sample in future.result():
-        self._put(sample)
+      self._put_scored(future.result())
     except BaseException as error:  # the reward pool itself failed (shut down under us)
       if self._stop.is_set():
         self._count_shutdown(samples)
@@ -222,6 +221,11 @@ class Rollouter(RoleThread):
       with self._rewarding_cv:
         self._rewarding -= len(samples)
         self._rewarding_cv.notify_all()
+
+  def _put_scored(self, samples) -> None:
+    """Hands a scored batch to the buffer (here one call per sample)."""
+    for sample in samples:
+      self._put(sample)
 
   def _count_shutdown(self, samples) -> None:
     with self._lock:

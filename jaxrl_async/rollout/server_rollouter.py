@@ -109,28 +109,9 @@ class ServerRollouter(Rollouter):
                 for entry in snapshot["inflight"]]
     return {"next_group_id": self.next_group_id, "inflight": inflight + drawn}
 
-  # ---- reward and hand-off: one call per batch ------------------------------------------------
-  def _to_reward(self, samples) -> None:
-    samples = list(samples)
-    with self._lock:
-      self._rewarding += len(samples)
-    self.rewards.submit_many(samples).add_done_callback(
-        lambda future: self._rewarded(future, samples))
-
-  def _rewarded(self, future, samples) -> None:
-    try:
-      self._put_batch(future.result())
-    except BaseException as error:  # the reward pool failed (shut down under us)
-      if self._stop.is_set():
-        self._count_shutdown(samples)
-      else:
-        self._fail(error)
-    finally:
-      with self._rewarding_cv:
-        self._rewarding -= len(samples)
-        self._rewarding_cv.notify_all()
-
-  def _put_batch(self, samples) -> None:
+  # ---- hand-off: one call per batch ----------------------------------------------------------
+  def _put_scored(self, samples) -> None:
+    """One `put_many` call for the whole batch."""
     put = len(samples)
     try:
       self.buffer.put_many(samples, timeout=self.put_timeout_s)
