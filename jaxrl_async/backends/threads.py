@@ -106,11 +106,6 @@ def make_channel(parts: Parts, run_dir):
 class ThreadsBackend(Backend):
   name = "threads"
 
-  def check_config(self, config: RunConfig) -> None:
-    if config.num_rollout_servers != 1:
-      raise ValueError(f"num_rollout_servers={config.num_rollout_servers}: the threads backend "
-                       "runs one rollout server; use backend='processes' or 'ray' for more")
-
   @contextmanager
   def connect(self, parts: Parts, run_dir, log=print) -> Iterator[Connection]:
     buffer = buffer_for(parts.config)

@@ -46,6 +46,17 @@ from jaxrl_async.model.hf_keys import (
 )
 
 
+def read_json_object(path: str | os.PathLike) -> dict[str, Any]:
+  """A JSON object file of a checkpoint directory ({} when the file is absent)."""
+  if not os.path.exists(path):
+    return {}
+  with open(path, encoding="utf-8") as f:
+    value = json.load(f)
+  if not isinstance(value, dict):
+    raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")
+  return value
+
+
 def read_hf_config(directory: str | os.PathLike) -> dict[str, Any]:
   path = os.path.join(directory, "config.json")
   if not os.path.isfile(path):

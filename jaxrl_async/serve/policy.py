@@ -18,7 +18,6 @@ and `checkpoints/<policy_version>/` written by `jaxrl_async.checkpoint.RunCheckp
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 
@@ -27,6 +26,7 @@ import orbax.checkpoint as ocp
 
 from jaxrl_async.config import RunConfig
 from jaxrl_async.model import abstract_params, get_config
+from jaxrl_async.model.hf_config import read_json_object
 from jaxrl_async.serve.server import Policy
 from jaxrl_async.tasks.reverse import DigitReverseTask
 
@@ -118,23 +118,13 @@ def policy_from_checkpoint(config: RunConfig, path: str | os.PathLike,
                 description=f"{directory} at policy_version {step}")
 
 
-def _read_json(path: pathlib.Path) -> dict:
-  if not path.exists():
-    return {}
-  with open(path, encoding="utf-8") as f:
-    value = json.load(f)
-  if not isinstance(value, dict):
-    raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")
-  return value
-
-
 def checkpoint_stop_ids(directory: str | os.PathLike, vocab_size: int) -> tuple[int, ...]:
   """The ids that end a generation by a Hugging Face directory's own files, as transformers reads
   them: generation_config.json's `eos_token_id` (an int or a list), else config.json's; () when
   neither names one."""
   directory = pathlib.Path(directory)
   for name in ("generation_config.json", "config.json"):
-    source = _read_json(directory / name)
+    source = read_json_object(directory / name)
     if "eos_token_id" in source:
       break
   value = source.get("eos_token_id")

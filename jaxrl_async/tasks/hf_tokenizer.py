@@ -22,7 +22,6 @@ tokenizer's token count, `num_tokens`. Thread-safe: encoding and decoding hold n
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -31,20 +30,11 @@ from typing import Any
 import numpy as np
 import tokenizers
 
+from jaxrl_async.model.hf_config import read_json_object
 from jaxrl_async.tasks import chat_template as chat_lib
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token",
                        "cls_token", "mask_token")
-
-
-def _read_json(path: pathlib.Path) -> dict[str, Any]:
-  if not path.exists():
-    return {}
-  with open(path, encoding="utf-8") as f:
-    value = json.load(f)
-  if not isinstance(value, dict):
-    raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")
-  return value
 
 
 def _token_content(value: Any, where: str) -> str | None:
@@ -144,8 +134,8 @@ class HFTokenizer:
       raise FileNotFoundError(f"no tokenizer.json in {directory} (a fast tokenizer file is "
                               f"needed; tokenizer.model alone is not supported)")
     tokenizer = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
-    config = _read_json(directory / "tokenizer_config.json")
-    token_map = _read_json(directory / "special_tokens_map.json")
+    config = read_json_object(directory / "tokenizer_config.json")
+    token_map = read_json_object(directory / "special_tokens_map.json")
     special = {}
     for name in SPECIAL_TOKEN_NAMES:
       source = config if name in config else token_map
@@ -155,8 +145,8 @@ class HFTokenizer:
     if not isinstance(extra, list):
       raise ValueError(f"additional_special_tokens in {directory} must be a list, got {extra!r}")
     extra = [_token_content(t, f"additional_special_tokens in {directory}") for t in extra]
-    generation = _read_json(directory / "generation_config.json")
-    model = _read_json(directory / "config.json")
+    generation = read_json_object(directory / "generation_config.json")
+    model = read_json_object(directory / "config.json")
     ids_from = generation if "eos_token_id" in generation else model
     stop_ids = _id_list(ids_from.get("eos_token_id"), f"eos_token_id in {directory}")
     pad_ids = _id_list(generation.get("pad_token_id", model.get("pad_token_id")),
