@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import modes as modes_benchmark
 from jaxrl_async import compilation_cache
 from jaxrl_async.sim import fit, simulate
-from jaxrl_async.sim.command import mode_configs
+from launch.simulate import mode_configs
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

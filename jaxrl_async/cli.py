@@ -26,8 +26,8 @@ def main(argv=None) -> int:
     from launch import sweep
     return sweep.main(argv[1:])
   if argv[0] == "simulate":
-    from jaxrl_async.sim import command
-    return command.main(argv[1:])
+    from launch import simulate
+    return simulate.main(argv[1:])
   return 2
 
 

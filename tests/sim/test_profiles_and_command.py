@@ -7,7 +7,8 @@ import pytest
 
 from jaxrl_async import cli
 from jaxrl_async.config import RunConfig
-from jaxrl_async.sim import command, fit, profile_from_dict, published, simulate, sweep
+from jaxrl_async.sim import fit, profile_from_dict, published, simulate, sweep
+from launch import simulate as command
 from jaxrl_async.sim.profile import LengthModel
 
 PROFILE = {"name": "small", "prompt_tokens": 8,
@@ -152,3 +153,21 @@ def test_span_totals_clip_to_the_fitted_window(tmp_path):
                           for r, a, b in rows))
   assert fit.span_totals(str(path), 1.0, 5.5) == {"rollout": 1.5, "learner": 3.0}
   assert fit.span_totals(str(path), -1.0, 5.5) is None  # spans start after the window
+
+
+def test_published_setups_take_run_config_bindings_on_top_and_refuse_others(capsys):
+  """`--published` with `RunConfig.<field>` bindings: the published settings with the binding
+  applied (a what-if question); any other binding fails naming it."""
+  args = command.parse_args(["--published", "verl:128", "--modes", "async_partial_s0.5",
+                             "--gin_bindings", "RunConfig.staleness_threshold = 0.3",
+                             "--gin_bindings", "RunConfig.require_batches = 2"])
+  _, configs = command.load(args)
+  _, published_configs = command.load(command.parse_args(["--published", "verl:128"]))
+  config = configs["async_partial_s0.5"]
+  assert (config.staleness_threshold, config.require_batches) == (0.3, 2)
+  assert published_configs["async_partial_s0.5"].staleness_threshold == 0.5
+  assert config.group_size == published_configs["async_partial_s0.5"].group_size
+  for binding, named in (("LearnerConfig.learning_rate = 1.0", "only 'RunConfig.<field>"),
+                         ("RunConfig.stalenes = 0.3", "no field 'stalenes'")):
+    assert command.main(["--published", "verl:128", "--gin_bindings", binding]) == 2
+    assert named in capsys.readouterr().err

@@ -6,7 +6,9 @@
     jaxrl-async simulate --profile_from runs/sync --sweep --max_gap 2 --max_stale_ratio 0.8
 
 Each mode's knobs come from its gin file (gin/modes/<mode>.gin) plus --gin_bindings, as in
-`jaxrl-async train` (with --published: the published run's own settings). Prints one JSON line
+`jaxrl-async train`. With --published they are the published run's own settings, and
+--gin_bindings of `RunConfig.<field>` apply on top of them (what-if questions of a published
+setup, e.g. `RunConfig.staleness_threshold = 0.3`); bindings of other classes are refused. Prints one JSON line
 (per mode: samples/s, speedup over sync, idle ratio of each role, stale ratio, version-gap
 distribution, partial ratio); --out writes <out>/<mode>/metrics.jsonl and summary.json with
 the metric names of a real run, and <out>/simulation.json.
@@ -68,6 +70,38 @@ def mode_configs(modes, bindings) -> dict:
   return configs
 
 
+def run_config_overrides(bindings) -> dict:
+  """The RunConfig fields `bindings` set, as values (parsed by gin, as `train` parses them).
+  Only `RunConfig.<field> = value` bindings are accepted: a published setup's other settings
+  are not the simulator's to change."""
+  import dataclasses
+
+  import gin
+  from jaxrl_async import config as config_lib
+  from launch import train
+
+  names = {f.name for f in dataclasses.fields(config_lib.RunConfig)}
+  fields = []
+  for binding in bindings:
+    target, equals, _ = binding.partition("=")
+    target = target.strip()
+    if not equals or not target.startswith("RunConfig."):
+      raise ValueError(f"--gin_bindings {binding!r}: with --published only 'RunConfig.<field> = "
+                       "value' bindings apply (on top of the published settings)")
+    field = target[len("RunConfig."):]
+    if field not in names:
+      raise ValueError(f"--gin_bindings {binding!r}: RunConfig has no field {field!r}")
+    fields.append(field)
+  if not fields:
+    return {}
+  train.load_config(["gin/base.gin"], bindings)  # base.gin registers the classes
+  try:
+    return {field: gin.query_parameter(f"jaxrl_async.config.RunConfig.{field}")
+            for field in fields}
+  finally:
+    gin.clear_config()
+
+
 def load(args):
   import dataclasses
 
@@ -81,7 +115,9 @@ def load(args):
     profile, configs = published.verl_setup(int(gpus), fold=args.fold, seed=args.seed)
     if args.modes:
       configs = {m: configs[m] for m in args.modes.split(",") if m in configs} or configs
-    return profile, configs
+    overrides = run_config_overrides(args.gin_bindings)
+    return profile, {mode: dataclasses.replace(config, **overrides)
+                     for mode, config in configs.items()}
   if args.profile_from:
     profile = fit.profile_from_run(args.profile_from, seed=args.seed)
     knobs = fit.knobs_from_run(args.profile_from)
