@@ -181,6 +181,15 @@ class RunConfig:
     return self.groups_per_version * self.group_size
 
   @property
+  def overlap_room(self) -> float:
+    """Of the next update's groups, the share that can be made before a publish:
+    floor(s N) / groups_per_update (at most floor(s N) groups beyond a version's N start before
+    it is published). Below 1 the learner waits at every publish for the rest while the
+    Rollouter makes them: the two roles take turns (docs/knobs.md)."""
+    return (int(self.staleness_threshold * self.groups_per_version + 1e-9)
+            / self.groups_per_update)
+
+  @property
   def num_versions(self) -> int:
     return self.total_samples // self.samples_per_version
 

@@ -23,6 +23,7 @@ from jaxrl_async import config as config_lib
 from jaxrl_async.checkpoint import CheckpointError, check_run_dir
 from jaxrl_async.run import api
 from jaxrl_async.run import build as build_lib
+from jaxrl_async.run.services import task_services
 
 GIN_DIR = pathlib.Path(__file__).resolve().parent.parent / "gin"
 DEFAULT_GIN = "gin/modes/async_partial.gin"
@@ -94,6 +95,11 @@ def main(argv=None) -> int:
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
       signal.signal(signal.SIGINT, signal.default_int_handler)
   compilation_cache.enable()
+  with contextlib.ExitStack() as services:
+    return _train(args, services)
+
+
+def _train(args, services: contextlib.ExitStack) -> int:
   try:
     load_config(args.gin_file or [DEFAULT_GIN], args.gin_bindings)
     # Build the RunConfig and the run's parts now, so a bad setting fails before any training.
@@ -102,6 +108,7 @@ def main(argv=None) -> int:
         "runs", f"{config.mode}-{time.strftime('%Y%m%d-%H%M%S')}")
     check_run_dir(run_dir, args.resume)
     api.check_backend(config)
+    config = services.enter_context(task_services(config))  # e.g. a verifier process
     parts = build_lib.build(config)
   except SyntaxError as error:  # gin's parser: quote the line, bindings are joined in order
     print(f"jaxrl-async train: configuration error: gin syntax in "

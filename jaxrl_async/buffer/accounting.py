@@ -54,6 +54,10 @@ class SampleAccounting:
     self.unadmitted_groups = 0  # groups put without acquire_group_slot
     self.admission_wait_s = 0.0
 
+  def record_put(self) -> None:
+    self.put += 1
+    self.queued += 1
+
   def record_drop(self, reason: str, num_samples: int, num_groups: int) -> None:
     self.dropped[reason] += num_samples
     self.dropped_groups[reason] += num_groups
@@ -134,3 +138,76 @@ class LatencyStats:
     self.total_s = float(state["total_s"])
     self.count = int(state["count"])
     self.recent = collections.deque((float(x) for x in state["recent"]), maxlen=LATENCY_WINDOW)
+
+
+def _quantile(counts: dict[int, int], q: float) -> float:
+  """The q-quantile of a distribution given as value -> count, as numpy's method 'lower' (a
+  value that occurred); NaN when empty."""
+  total = sum(counts.values())
+  if total == 0:
+    return math.nan
+  rank, seen = q * (total - 1), 0
+  for value in sorted(counts):
+    seen += counts[value]
+    if seen > rank:
+      return float(value)
+  return float(max(counts))
+
+
+def _mean(counts: dict[int, int]) -> float:
+  total = sum(counts.values())
+  return sum(v * n for v, n in counts.items()) / total if total else math.nan
+
+
+def length_bucket(length: int) -> int:
+  """The upper end of a response length's bucket: 1, 3, 7, 15, ... (powers of two, minus 1)."""
+  return (1 << max(int(length), 0).bit_length()) - 1
+
+
+class LengthStats:
+  """Response lengths (tokens) of the samples put, consumed and dropped, as exact counts per
+  length: whether what the learner trains on is what the rollout generated. A bound enforced
+  by dropping can starve the long (often harder) samples; these figures show it."""
+
+  __slots__ = ("consumed", "dropped", "put")
+  KINDS = ("put", "consumed", "dropped")
+
+  def __init__(self):
+    self.put: collections.Counter[int] = collections.Counter()
+    self.consumed: collections.Counter[int] = collections.Counter()
+    self.dropped: collections.Counter[int] = collections.Counter()
+
+  def add(self, kind: str, samples) -> None:
+    counter = getattr(self, kind)
+    for sample in samples:
+      counter[int(sample.num_response_tokens)] += 1
+
+  def snapshot(self) -> tuple[dict[int, int], ...]:
+    return tuple(dict(getattr(self, kind)) for kind in self.KINDS)
+
+  @staticmethod
+  def summarise(put: dict[int, int], consumed: dict[int, int],
+                dropped: dict[int, int]) -> dict[str, float]:
+    """Mean and p90 of generated (put) and consumed lengths, their ratio of means, and the
+    dropped samples per length bucket (`lengths/dropped_le_<n>`: lengths up to n)."""
+    out = {"lengths/generated_mean": _mean(put), "lengths/generated_p90": _quantile(put, 0.9),
+           "lengths/consumed_mean": _mean(consumed),
+           "lengths/consumed_p90": _quantile(consumed, 0.9)}
+    out["lengths/consumed_over_generated_mean"] = (
+        out["lengths/consumed_mean"] / out["lengths/generated_mean"]
+        if put and consumed and out["lengths/generated_mean"] > 0 else math.nan)
+    buckets: collections.Counter[int] = collections.Counter()
+    for length, count in dropped.items():
+      buckets[length_bucket(length)] += count
+    out.update({f"lengths/dropped_le_{hi}": float(n) for hi, n in sorted(buckets.items())})
+    return out
+
+  def to_state(self) -> dict[str, Any]:
+    return {kind: {str(k): int(v) for k, v in getattr(self, kind).items()}
+            for kind in self.KINDS}
+
+  def load_state(self, state: dict[str, Any] | None) -> None:
+    """`state` None: a checkpoint written before lengths were kept (they start empty)."""
+    for kind in self.KINDS:
+      setattr(self, kind, collections.Counter(
+          {int(k): int(v) for k, v in ((state or {}).get(kind) or {}).items()}))

@@ -42,6 +42,7 @@ def capture(buffer: VersionedBuffer) -> dict[str, Any]:
       "ledger": buffer._ledger.to_state(),
       "accounting": buffer._acc.to_state(),
       "latency": buffer._latency.to_state(),
+      "lengths": buffer._lengths.to_state(),
       "partial": [{"group_id": int(group.group_id), "admitted": bool(group.admitted),
                    "samples": [encode_sample(sample) for sample in group.members()]}
                   for group in buffer._partial.values()],
@@ -85,5 +86,6 @@ def restore(buffer: VersionedBuffer, state: dict[str, Any]) -> None:
   buffer._ledger.void_in_flight()
   buffer._acc.load_state(state["accounting"])
   buffer._latency.load_state(state["latency"])
+  buffer._lengths.load_state(state.get("lengths"))
   buffer._partial = partial
   buffer._ready = ready

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from jaxrl_async.buffer.accounting import LatencyStats, LengthStats
 from jaxrl_async.types import DROP_REASONS
 
 if TYPE_CHECKING:
@@ -26,6 +27,15 @@ def queue_metrics(buffer: VersionedBuffer) -> dict[str, float]:
   }
   for reason in DROP_REASONS:
     metrics[f"queue/dropped/{reason}"] = float(acc.dropped[reason])
+  return metrics
+
+
+def with_distributions(metrics: dict[str, float], latency, lengths) -> dict[str, float]:
+  """`metrics` with the latency and response-length figures of the buffer's snapshots
+  (computed outside its lock)."""
+  for name, value in LatencyStats.summarise(*latency).items():
+    metrics[f"queue/latency_s_{name}"] = value
+  metrics.update(LengthStats.summarise(*lengths))
   return metrics
 
 

@@ -20,8 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxrl_async import faults
-from jaxrl_async.buffer import buffer_state, observe
-from jaxrl_async.buffer.accounting import LatencyStats, SampleAccounting, check_drop_reason
+from jaxrl_async.buffer import accounting, buffer_state, observe
 from jaxrl_async.buffer.admission import AdmissionLedger
 from jaxrl_async.buffer.errors import (
   BufferClosed,
@@ -79,8 +78,9 @@ class VersionedBuffer:
 
     self._closed, self._rollout_version = False, 0
     self._ledger = AdmissionLedger(budget)
-    self._acc = SampleAccounting()
-    self._latency = LatencyStats()
+    self._acc = accounting.SampleAccounting()
+    self._latency = accounting.LatencyStats()
+    self._lengths = accounting.LengthStats()
     self._partial: dict[int, PartialGroup] = {}
     self._ready: list[ReadyGroup] = []  # FIFO; popped from the front in batches
     self._drop_log: list | None = [] if record_drops else None  # (reason, uids): the ledger's
@@ -164,8 +164,8 @@ class VersionedBuffer:
             del partial[group_id]
           sample.timestamps["enqueued"] = clock()
           group.add(index, sample, drop_rank, min_version)
-          acc.put += 1
-          acc.queued += 1
+          acc.record_put()
+          self._lengths.put[int(sample.num_response_tokens)] += 1
           put += 1
           if members is not None:
             if rank == NO_DROP:
@@ -257,6 +257,7 @@ class VersionedBuffer:
         num_samples += len(group.samples)
         self._ledger.finish_group(group.admitted, dropped=False)
       self._acc.record_consumed(num_samples, len(groups))
+      self._lengths.add("consumed", [sample for group in groups for sample in group.samples])
       self._latency.extend(latencies)
       if self._waiting["space"]:
         self._space_cv.notify_all()
@@ -273,7 +274,7 @@ class VersionedBuffer:
 
   def discard_queued(self, reason: str = "shutdown") -> int:
     """Drops every queued sample (partial and ready groups) under `reason`; returns how many."""
-    check_drop_reason(reason)
+    accounting.check_drop_reason(reason)
     with self._lock:
       discarded = self._acc.queued
       for group in list(self._partial.values()):
@@ -326,10 +327,8 @@ class VersionedBuffer:
     """The queue metrics (docs/metrics.md) (latency NaN before the first consumed sample)."""
     with self._lock:
       metrics = observe.queue_metrics(self)
-      latency = self._latency.snapshot()
-    for name, value in LatencyStats.summarise(*latency).items():
-      metrics[f"queue/latency_s_{name}"] = value
-    return metrics
+      latency, lengths = self._latency.snapshot(), self._lengths.snapshot()
+    return observe.with_distributions(metrics, latency, lengths)
 
   def check_invariants(self) -> None:
     """Raises AssertionError, with the numbers, if the accounting or the ledger is broken."""
@@ -385,6 +384,7 @@ class VersionedBuffer:
 
   def _drop_locked(self, samples: list[Sample], admitted: bool, reason: str) -> None:
     self._acc.record_drop(reason, len(samples), 1)
+    self._lengths.add("dropped", samples)
     if self._drop_log is not None:
       self._drop_log.append((reason, [sample.uid for sample in samples]))
     if self._ledger.finish_group(admitted, dropped=True) and self._waiting["admission"]:

@@ -18,6 +18,7 @@ from jaxrl_async.config import RunConfig
 from jaxrl_async.learner.step import TrainState
 from jaxrl_async.run.build import Parts, build
 from jaxrl_async.run.loop import run_async
+from jaxrl_async.run.services import task_services
 from jaxrl_async.run.sync_loop import run_sync
 
 
@@ -31,8 +32,9 @@ def run(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = False,
         progress: bool = True, log=print) -> dict:
   """Train in `config.mode` -> the summary (also written to run_dir/summary.json)."""
   check_backend(config)  # before the minutes `build` takes
-  return train(build(config, log=log), run_dir, resume=resume, progress=progress,
-               log=log).summary
+  with task_services(config, log=log) as config:
+    return train(build(config, log=log), run_dir, resume=resume, progress=progress,
+                 log=log).summary
 
 
 def check_backend(config: RunConfig) -> None:

@@ -217,7 +217,9 @@ def test_metrics_keys_and_values():
               "queue/latency_s_mean", "queue/admission_wait_s", "queue/put", "queue/consumed",
               "queue/outstanding_groups", "queue/rollout_version"}
   expected |= {f"queue/dropped/{reason}" for reason in DROP_REASONS}
-  assert set(metrics) == expected
+  expected |= {f"lengths/{kind}_{stat}" for kind in ("generated", "consumed")
+               for stat in ("mean", "p90")} | {"lengths/consumed_over_generated_mean"}
+  assert set(metrics) == expected  # no drop yet: no lengths/dropped_le_* bucket
   assert math.isnan(metrics["queue/latency_s_p50"])  # nothing consumed yet
   for _ in range(3):
     buffer.acquire_group_slot(1.0)
@@ -329,3 +331,28 @@ def test_the_get_groups_fault_point_counts_takes_not_polls_and_fires_before_the_
     assert buffer.get_groups(1, 0, 1.0)[0][0].group_id == 1  # the lock was given back
   finally:
     faults.configure(None)
+
+
+def test_response_lengths_of_generated_consumed_and_dropped_samples():
+  """The length figures: generated (put) and consumed mean and p90, and the drops by length
+  bucket; a checkpoint of the buffer keeps them."""
+  buffer = make_buffer(group_size=2, groups_per_version=4, staleness_threshold=0.0)
+  lengths = {0: (1, 3), 1: (8, 8), 2: (2, 2)}  # group -> its two samples' response lengths
+  for group_id, (a, b) in lengths.items():
+    buffer.acquire_group_slot(1.0)
+    status = "timeout" if group_id == 1 else "ok"  # group 1 is dropped (reward_timeout)
+    put_group(buffer, [make_sample(group_id, i, 2, (0,) * n, reward_status=status)
+                       for i, n in enumerate((a, b))])
+  buffer.get_groups(2, 0, 1.0)
+  metrics = buffer.metrics()
+  assert metrics["lengths/generated_mean"] == pytest.approx(24 / 6)
+  assert metrics["lengths/generated_p90"] == np.percentile([1, 3, 8, 8, 2, 2], 90,
+                                                           method="lower") == 8.0
+  assert metrics["lengths/consumed_mean"] == pytest.approx(8 / 4)
+  assert metrics["lengths/consumed_p90"] == np.percentile([1, 3, 2, 2], 90, method="lower")
+  assert metrics["lengths/consumed_over_generated_mean"] == pytest.approx(0.5)
+  assert metrics["lengths/dropped_le_15"] == 2.0  # both 8-token samples, in bucket 8..15
+  restored = make_buffer(group_size=2, groups_per_version=4, staleness_threshold=0.0)
+  restored.set_state(buffer.get_state())
+  assert {k: v for k, v in restored.metrics().items() if k.startswith("lengths/")} == {
+      k: v for k, v in metrics.items() if k.startswith("lengths/")}

@@ -8,8 +8,8 @@ import pytest
 from jaxrl_async import cli
 from jaxrl_async.config import RunConfig
 from jaxrl_async.sim import fit, profile_from_dict, published, simulate, sweep
-from launch import simulate as command
 from jaxrl_async.sim.profile import LengthModel
+from launch import simulate as command
 
 PROFILE = {"name": "small", "prompt_tokens": 8,
            "response_length": {"kind": "geometric", "min": 1, "max": 25, "ratio": 0.8},
