@@ -23,6 +23,7 @@ still traces and lowers its functions). `--warmup_samples 0` measures cold start
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -43,13 +44,21 @@ from launch import train
 MODES = ("sync", "on_policy", "stream_off_policy", "async_stale", "async_partial")
 
 
+def gin_file(name: str) -> str:
+  """A mode's gin file (gin/modes/<mode>.gin), or a recipe's ('recipes/<name>')."""
+  if name.startswith("recipes/"):
+    return f"gin/{name}.gin"
+  return f"gin/modes/{name}.gin"
+
+
 def run_mode(mode: str, bindings: list[str], run_dir: str, backend: str = "threads") -> dict:
-  """Runs one mode; the async modes on `backend`, sync always in one process (its fastest
-  form: both cores, no process boundary)."""
+  """Runs one mode or recipe; the async ones on `backend`, sync always in one process (its
+  fastest form: both cores, no process boundary)."""
   if mode != "sync":
     bindings = [*bindings, f"RunConfig.backend = '{backend}'"]
-  train.load_config([f"gin/modes/{mode}.gin"], bindings)
+  train.load_config([gin_file(mode)], bindings)
   config = gin.get_configurable(config_lib.RunConfig)()
+  gin.clear_config()
   summary = api.run(config, run_dir, progress=False, log=lambda *a: None)
   records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
   curve = [(r["time_s"], r["samples"], r["eval/accuracy"]) for r in records
@@ -80,6 +89,9 @@ def mode_rows(results: dict) -> dict:
         "stale_ratio_mean": result["stale_ratio_mean"],
         "partial_ratio_mean": result["partial_ratio_mean"],
         "max_partial_span": result["max_partial_span"],
+        **{key.split("/", 1)[1]: summary.get(key) for key in (
+            "lengths/generated_mean", "lengths/generated_p90", "lengths/consumed_mean",
+            "lengths/consumed_p90", "lengths/consumed_over_generated_mean")},
     }
     if base is not None:
       target = base["summary"]["eval/accuracy"]
@@ -138,6 +150,9 @@ def main(argv=None) -> int:
   parser.add_argument("--total_samples", type=int, default=25_600)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--modes", default=",".join(MODES))
+  parser.add_argument("--recipes", default="",
+                      help="comma-separated recipes of gin/recipes/ to run beside the modes "
+                           "(e.g. verl_fully_async,verl_defaults), reported under their names")
   parser.add_argument("--eval_every_versions", type=int, default=20)
   parser.add_argument("--gin_bindings", action="append", default=[])
   parser.add_argument("--variant", action="append", default=[],
@@ -145,8 +160,10 @@ def main(argv=None) -> int:
                            "with these bindings on top, reported as NAME (e.g. "
                            "'async_partial_t2=async_partial:RunConfig.trigger_parameter_sync_step"
                            " = 2')")
-  parser.add_argument("--backend", choices=("threads", "processes"), default="threads",
-                      help="how the async modes run their roles (sync runs in one process)")
+  parser.add_argument("--backend", choices=("threads", "processes", "ray"), default="threads",
+                      help="how the async modes run their roles (sync runs in one process); "
+                           "ray: the cluster RAY_ADDRESS names, else a one-node cluster on "
+                           "127.0.0.1 started for the benchmark")
   parser.add_argument("--warmup_samples", type=int, default=6400,
                       help="samples per mode run first and discarded (fills the compile cache)")
   parser.add_argument("--repeats", type=int, default=1,
@@ -164,6 +181,10 @@ def main(argv=None) -> int:
               f"RunConfig.eval_every_versions = {args.eval_every_versions}",
               "RunConfig.checkpoint_every_versions = 1000000", *args.gin_bindings]
   runs = {mode: (mode, []) for mode in args.modes.split(",") if mode}
+  for recipe in filter(None, args.recipes.split(",")):
+    if not os.path.isfile(gin_file(f"recipes/{recipe}")):
+      parser.error(f"--recipes: no gin/recipes/{recipe}.gin")
+    runs[recipe] = (f"recipes/{recipe}", [])
   for spec in args.variant:
     name, _, rest = spec.partition("=")
     mode, _, extra = rest.partition(":")
@@ -172,6 +193,15 @@ def main(argv=None) -> int:
                    f"and MODE in {MODES}")
     runs[name] = (mode, [b.strip() for b in extra.split(";") if b.strip()])
   compilation_cache.enable()
+  with contextlib.ExitStack() as stack:
+    if args.backend == "ray" and not os.environ.get("RAY_ADDRESS"):
+      from jaxrl_async.backends.ray import placement
+      cluster = placement.start_local_cluster([{"num_cpus": 2}])
+      stack.callback(placement.stop_local_cluster, cluster)
+    return measure(args, runs, bindings)
+
+
+def measure(args, runs: dict, bindings: list[str]) -> int:
   rounds: list[dict] = []  # one {name: result} per repeat
   with tempfile.TemporaryDirectory() as root:
     if args.warmup_samples:
@@ -188,7 +218,7 @@ def main(argv=None) -> int:
                                  os.path.join(root, f"{name}-{repeat}"), args.backend)
       rounds.append(results)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    draw({mode: os.path.join(root, f"{mode}-0") for mode in rounds[0]}, args.out)
+    draw({name: os.path.join(root, f"{name}-0") for name in rounds[0]}, args.out)
   per_round = [mode_rows(results) for results in rounds]
   table = per_round[0] if args.repeats == 1 else {
       name: median_row([rows[name] for rows in per_round]) for name in per_round[0]}

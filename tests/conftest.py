@@ -6,32 +6,35 @@ _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# XLA's persistent compilation cache, one per test session and shared with the runs the tests
-# start as subprocesses (they inherit the variables): tests build many learners and engines of
-# the same shapes, and each new one would otherwise compile its programs again.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+# One cache root per test session, shared by the pytest-xdist workers (they inherit the
+# variables from the process that started them) and by the runs tests start as subprocesses:
+# - XLA's persistent compilation cache: tests build many learners and engines of the same
+#   shapes, and each new one would otherwise compile its programs again;
+# - the warm-start cache (JAXRL_ASYNC_CACHE): each base policy is trained once per session.
+if "JAXRL_ASYNC_TEST_ROOT" not in os.environ:
   import atexit
   import shutil
   import tempfile
 
-  _XLA_CACHE = tempfile.mkdtemp(prefix="jaxrl_async_test_xla_")
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
+  _ROOT = tempfile.mkdtemp(prefix="jaxrl_async_test_")
+  os.environ["JAXRL_ASYNC_TEST_ROOT"] = _ROOT
+  atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)  # by the process that made it
+  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(_ROOT, "xla"))
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
-  atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
+TEST_CACHE = os.path.join(os.environ["JAXRL_ASYNC_TEST_ROOT"], "cache")
 
 
 import pytest  # noqa: E402  (after the environment is set)
 
 
 @pytest.fixture(scope="session", autouse=True)
-def warm_start_cache(tmp_path_factory):
-  """One warm-start cache per test session (the path is shared by every test module)."""
-  cache = tmp_path_factory.getbasetemp() / "jaxrl_async_cache"
-  cache.mkdir(exist_ok=True)
+def warm_start_cache():
+  """The session's warm-start cache (shared by every test module and xdist worker)."""
+  os.makedirs(TEST_CACHE, exist_ok=True)
   previous = os.environ.get("JAXRL_ASYNC_CACHE")
-  os.environ["JAXRL_ASYNC_CACHE"] = str(cache)
-  yield cache
+  os.environ["JAXRL_ASYNC_CACHE"] = TEST_CACHE
+  yield TEST_CACHE
   if previous is None:
     os.environ.pop("JAXRL_ASYNC_CACHE", None)
   else:

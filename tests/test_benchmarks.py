@@ -50,8 +50,8 @@ def test_modes_runs_each_mode_and_compares_with_sync(tmp_path, monkeypatch):
   out = tmp_path / "modes"
   variant = "async_partial_t2=async_partial:RunConfig.trigger_parameter_sync_step = 2"
   assert modes.main(["--total_samples", "32", "--modes", "sync,async_partial",
-                     "--variant", variant, "--repeats", "2",
-                     "--warmup_samples", "16", "--eval_every_versions", "2", "--out", str(out),
+                     "--variant", variant, "--repeats", "2", "--recipes", "verl_defaults",
+                     "--warmup_samples", "32", "--eval_every_versions", "2", "--out", str(out),
                      *_bindings()]) == 0
   with open(f"{out}.json", encoding="utf-8") as f:
     result = json.load(f)
@@ -64,7 +64,12 @@ def test_modes_runs_each_mode_and_compares_with_sync(tmp_path, monkeypatch):
     assert row["version_gap_max"] == max(r[name]["version_gap_max"] for r in result["rounds"])
     ratios = [r[name]["samples_per_s"] / r["sync"]["samples_per_s"] for r in result["rounds"]]
     assert row["samples_per_s_vs_sync"] == pytest.approx(sum(ratios) / 2)
-  assert set(result["modes"]) == {"sync", "async_partial", "async_partial_t2"}
+  assert set(result["modes"]) == {"sync", "async_partial", "async_partial_t2",
+                                  "verl_defaults"}
+  for row in result["modes"].values():  # consumed against generated response lengths
+    assert row["consumed_mean"] > 0 and row["generated_p90"] >= 1
+    assert row["consumed_over_generated_mean"] == pytest.approx(
+        row["consumed_mean"] / row["generated_mean"], rel=0.2)
   assert result["variants"] == {"async_partial_t2": {
       "mode": "async_partial", "bindings": ["RunConfig.trigger_parameter_sync_step = 2"]}}
   assert result["modes"]["sync"]["samples_per_s_vs_sync"] == 1.0

@@ -13,9 +13,9 @@ from jaxrl_async import faults
 from jaxrl_async.watchdog import EXIT_CODE
 from tests import run_lives
 
-WATCHDOG_S = 60  # well above a version's time on a loaded 2-core machine
+WATCHDOG_S = 30  # well above a version's time (well under a second) on a loaded 2-core machine
 BOUND_S = 600  # start-up on a loaded 2-core machine + reaching the point + watchdog + rescue
-AT_ONCE = 5  # runs started together (most of their time is waiting)
+AT_ONCE = 9  # runs started together (most of their time is waiting): all the cases at once
 BINDINGS = run_lives.TINY_BINDINGS + (
     f"RunConfig.watchdog_timeout_s = {WATCHDOG_S}.0",
     "RunConfig.watchdog_startup_s = 400.0",  # the first version compiles
