@@ -223,3 +223,17 @@ def test_a_rollout_mesh_is_refused_where_servers_live_in_other_processes(name, t
   with pytest.raises(ValueError, match=f"rollout_mesh=.*the {name} backend"):
     api.run(config, str(tmp_path / "run"), progress=False, log=quiet)
   assert not (tmp_path / "run").exists()  # refused before anything was built or written
+
+
+@pytest.mark.slow
+def test_a_whole_run_publishes_through_the_orbax_store(backend, tmp_path):
+  """`sync_backend='store'` (the channel that crosses hosts through a shared directory) on
+  every backend: the rollout side loads each version from <run_dir>/weights, where the newest
+  versions are whole orbax checkpoints."""
+  config = tiny_config(backend, mode="async_stale", staleness_threshold=1.0, max_version_gap=2,
+                       sync_backend="store")
+  summary, records = run_mode(config, tmp_path)
+  check_run(config, summary, records, tmp_path)
+  versions = sorted(int(name) for name in os.listdir(tmp_path / "weights") if name.isdigit())
+  assert versions and versions[-1] == config.num_versions  # the last publish is kept
+  assert summary["rollout/swaps"] >= 2  # the servers loaded versions after the first

@@ -190,7 +190,8 @@ def test_a_killed_or_hung_service_gives_a_clear_error_within_the_timeout(start):
   # In a reward pool the two are counted as a timeout and a failure, never trained on.
   pool = RewardPool(task.with_client(client).reward, num_workers=1, timeout_s=5, max_retries=0)
   sample = Sample(prompt_id=0, group_id=0, group_size=1, prompt_tokens=prompt,
-                  response_tokens=response, meta={"split": "train"})
+                  response_tokens=response, behaviour_logprobs=np.zeros(len(response)),
+                  token_versions=np.zeros(len(response)), meta={"split": "train"})
   assert pool.score(sample).reward_status == RewardStatus.FAILED.value
   pool.close()
 

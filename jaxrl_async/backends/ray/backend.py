@@ -6,7 +6,9 @@ the buffer actor and the weight store beside it (resource `RunConfig.ray_learner
 and `num_rollout_servers` rollout actors on the nodes that offer the rollout resource
 (`RunConfig.ray_rollout_resource`), each asking for `ray_rollout_cpus` CPUs and
 `ray_rollout_gpus` GPUs. Each actor owns a `RolloutServer` (its engine, reward pool and prompt
-shard) reached through `RayBufferClient` and `RayWeightChannel`.
+shard) reached through `RayBufferClient` and a weight channel: `RayWeightChannel` (Ray's object
+store) with `sync_backend='device'`, or with 'store' orbax checkpoints in <run_dir>/weights,
+which every node must see (a shared file system).
 
 Faults: Ray restarts a killed actor (`max_restarts`); the new incarnation takes over the groups
 its predecessor left unfinished from the buffer actor (`claim`: revoke the old client, register
@@ -33,7 +35,8 @@ from jaxrl_async.backends.base import (
   keep_spans,
   warn_unscored,
 )
-from jaxrl_async.backends.processes.backend import refuse_rollout_mesh
+from jaxrl_async.backends.processes.backend import make_channel, refuse_rollout_mesh
+from jaxrl_async.backends.processes.rollout_process import open_rollout_channel
 from jaxrl_async.backends.ray import buffer as ray_buffer
 from jaxrl_async.backends.ray import placement as ray_backend
 from jaxrl_async.backends.ray import weights as ray_weights
@@ -58,14 +61,17 @@ class RolloutActorImpl:
   """A `RolloutServer` in a Ray actor. On a restart (Ray re-runs this constructor) it claims
   its predecessor's unfinished work from the buffer actor and starts at once."""
 
-  def __init__(self, config, index: int, num_servers: int, buffer_actor, store, restore):
+  def __init__(self, config, index: int, num_servers: int, buffer_actor, channel_spec: dict,
+               restore):
     ray = require_ray()
     restarted = ray.get_runtime_context().was_current_actor_reconstructed
     claim = ray.get(buffer_actor.claim.remote(index, restore, restarted),
                     timeout=RESTART_WAIT_S)
+    channel = (RayWeightChannel(channel_spec["store"]) if channel_spec["kind"] == "ray"
+               else open_rollout_channel(channel_spec, config))
     self.server = RolloutServer(config, server_index=index, num_servers=num_servers,
                                 buffer=RayBufferClient(buffer_actor, claim["client_id"]),
-                                channel=RayWeightChannel(store), restore=claim["restore"])
+                                channel=channel, restore=claim["restore"])
     self.client_id = claim["client_id"]
     if restarted:
       self.server.start()
@@ -85,13 +91,13 @@ class RayFleet(Fleet):
   """The rollout actors seen from the driver. Ray restarts a killed actor; the heartbeat kills
   a silent one."""
 
-  def __init__(self, config, buffer_actor, store, *, status_path: str | None = None,
-               log=print):
+  def __init__(self, config, buffer_actor, channel_spec: dict, *,
+               status_path: str | None = None, log=print):
     super().__init__(config.num_rollout_servers, log=log)
     self.ray = require_ray()
     self.config = config
     self.buffer_actor = buffer_actor
-    self.store = store
+    self.channel_spec = channel_spec  # how the actors reach the weights (`weight_channels`)
     self.status_path = status_path
     self.heartbeat_timeout_s = config.heartbeat_timeout_s
     self.actors: list = [None] * self.num_servers
@@ -120,7 +126,7 @@ class RayFleet(Fleet):
           num_gpus=cfg.ray_rollout_gpus, max_restarts=MAX_RESTARTS, max_concurrency=4,
           env=ray_backend.thread_env(max(1, int(cfg.ray_rollout_cpus))))
       # The constructor's arguments stay referenced here: Ray needs them to restart the actor.
-      args = [self.ray.put(cfg), index, self.num_servers, self.buffer_actor, self.store,
+      args = [self.ray.put(cfg), index, self.num_servers, self.buffer_actor, self.channel_spec,
               self.ray.put(restore)]
       self._constructor_args.append(args)
       self.actors[index] = cls.options(**options).remote(*args)
@@ -266,6 +272,16 @@ class DriverBuffer(ControllerBuffer):
     self.ray.get(self.actor.check_invariants.remote(), timeout=60.0)
 
 
+def weight_channels(parts: Parts, run_dir, store) -> tuple[Any, dict]:
+  """(the learner's end, how the rollout actors open theirs), by `RunConfig.sync_backend`:
+  'device' through Ray's object store (`store`, the weight store actor); 'store' through orbax
+  checkpoints in <run_dir>/weights, a directory every node must see (a shared file system)."""
+  if parts.config.sync_backend == "store":
+    return make_channel(parts, run_dir)
+  return (RayWeightChannel(store, parts.learner.spec.logical_axes),
+          {"kind": "ray", "store": store})
+
+
 class RayBackend(Backend):
   """Connects to the Ray cluster this process is attached to (`ray.init` done by the caller),
   else to RAY_ADDRESS, else starts a local one."""
@@ -290,9 +306,9 @@ class RayBackend(Backend):
     learner_place = {"node_resource": cfg.ray_learner_resource}
     buffer_actor = ray_buffer.start_buffer_actor(buffer_kwargs(cfg), **learner_place)
     store = ray_weights.start_weight_store(**learner_place)
-    fleet = RayFleet(cfg, buffer_actor, store,
+    channel, channel_spec = weight_channels(parts, run_dir, store)
+    fleet = RayFleet(cfg, buffer_actor, channel_spec,
                      status_path=os.path.join(run_dir, "rollout_servers.json"), log=log)
-    channel = RayWeightChannel(store, parts.learner.spec.logical_axes)
     try:
       yield Connection(buffer=DriverBuffer(buffer_actor), channel=channel, fleet=fleet,
                        started_groups=lambda: ray.get(buffer_actor.ledger.remote(),
