@@ -80,6 +80,7 @@ class LearnerRole(RoleThread):
     self.debug_checks = debug_checks
     self.poll_s = poll_s
     self.wait_s = 0.0  # time blocked on the buffer
+    self.published_at: dict[int, float] = {}  # version -> when its publish began
     self.done = threading.Event()
     # Groups taken from the buffer and not trained on yet (the next update's, taken before a
     # version is published). They have left the buffer, so a checkpoint must save them: see
@@ -119,8 +120,10 @@ class LearnerRole(RoleThread):
 
   def _publish(self, version: int) -> None:
     faults.point("sync.publish")
+    began = time.time()  # wall clock: samples carry wall-clock stamps
     with self.timer.busy("sync"):
       self.channel.publish(version, self.state.params)
+    self.published_at[version] = began
 
   def run(self) -> None:
     """Performs `learner_schedule`'s effects: the control flow lives there, the buffer,

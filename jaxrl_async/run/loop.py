@@ -22,6 +22,7 @@ from jaxrl_async.ledger import LEDGER_FILE, SampleLedger, log_offsets, rewind_lo
 from jaxrl_async.metrics import RoleTimer
 from jaxrl_async.roles import short_gil_switch
 from jaxrl_async.run.build import Evaluator, Parts, copy_params, learner_update
+from jaxrl_async.run.handoff import Handoffs
 from jaxrl_async.run.records import (
   eval_record,
   ledger_audit,
@@ -136,6 +137,7 @@ def _run(parts: Parts, backend: Backend, connection: Connection, run_dir, *, res
         + (f" with {len(taken)} groups taken for the next update" if taken else ""))
   bar = progress_bar(cfg.num_versions, version, progress)
   consumed_groups: list[list[int]] = []  # [group id, prompt id] of every consumed group
+  handoffs = Handoffs()  # publish -> first sample in the buffer -> the learner's take
 
   def save_checkpoint(at_version: int, learner_state, pending) -> None:
     with timer.excluded():
@@ -181,6 +183,11 @@ def _run(parts: Parts, backend: Backend, connection: Connection, run_dir, *, res
     record.update(sync)
     record.update(fleet_figures(fleet))
     record["learner/wait_s"] = learner.wait_s
+    for published, when in learner.published_at.items():
+      handoffs.publish(published, when)
+    handoffs.observe(groups)
+    latest = handoffs.intervals(at_version - 1)  # the version most of these tokens came from
+    record.update({f"handoff/{name}": value for name, value in (latest or {}).items()})
     writer.write(record)
     show_version(bar, record, last_eval)
     if learner.stopping:  # Ctrl-C or the watchdog: the loop saves once the learner stopped
@@ -275,7 +282,7 @@ def _run(parts: Parts, backend: Backend, connection: Connection, run_dir, *, res
              "learner_step": int(final_state.step), "consumed_samples": totals["consumed"],
              "system/samples_per_s": totals["consumed"] / wall_s,
              "system/tokens_per_s": totals["tokens"] / wall_s,
-             "queue/discarded_at_end": queued, "run_dir": os.path.abspath(run_dir),
+             "queue/discarded_at_end": queued, **handoffs.summary(), "run_dir": os.path.abspath(run_dir),
              "checkpoint_dir": checkpointer.directory}
   return summary, final_state
 

@@ -108,6 +108,12 @@ class RLVRReverseTask(DigitReverseTask):
                        f"{source_max_response_len!r}")
     if not isinstance(verifier, VerifierSettings):
       raise TypeError(f"verifier must be a VerifierSettings, got {verifier!r}")
+    slowest = verifier.latency_max_s * verifier.time_scale
+    if verifier.call_timeout_s <= slowest:
+      raise ValueError(
+          f"VerifierSettings.call_timeout_s={verifier.call_timeout_s} must exceed the slowest "
+          f"request, latency_max_s * time_scale = {verifier.latency_max_s} * "
+          f"{verifier.time_scale} = {slowest:.3g} s: every timed-out request would fail")
     points = check_quantiles(length_quantiles, int(source_max_response_len))
     self.length_quantiles = tuple((float(q), float(n)) for q, n in points)
     self.source_max_response_len = int(source_max_response_len)

@@ -110,6 +110,8 @@ def test_bad_settings_fail_naming_the_setting():
     RLVRReverseTask(length_quantiles=((0.1, 5), (1.0, 10)))
   with pytest.raises(ValueError, match="source_max_response_len"):
     RLVRReverseTask(length_quantiles=((0.0, 5), (1.0, 20_000)))
+  with pytest.raises(ValueError, match="call_timeout_s"):
+    RLVRReverseTask(verifier=VerifierSettings(time_scale=1.0, call_timeout_s=10.0))
 
 
 # ---- latency model -------------------------------------------------------------------------
