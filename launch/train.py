@@ -66,6 +66,8 @@ _SHORT_NAMES = {
     "WarmStartConfig.": "jaxrl_async.learner.sft.WarmStartConfig.",
     "SamplingConfig.": "jaxrl_async.rollout.sampling.SamplingConfig.",
     "DigitReverseTask.": "jaxrl_async.tasks.reverse.DigitReverseTask.",
+    "RLVRReverseTask.": "jaxrl_async.tasks.rlvr.RLVRReverseTask.",
+    "VerifierSettings.": "jaxrl_async.tasks.verifier_service.VerifierSettings.",
     "TextTask.": "jaxrl_async.tasks.text_task.TextTask.",
     "Fields.": "jaxrl_async.tasks.datasets.Fields.",
     "MathReward.": "jaxrl_async.tasks.math_rewards.MathReward.",

@@ -14,7 +14,8 @@ ones, to within the rounding of a short response.
 
 Verifier: `services(log)` starts the verifier service (`verifier_service.VerifierProcess`) and
 yields a copy of the task whose `reward` calls it; a run enters it before anything is built, so
-every rollout server (threads, processes, Ray) shares one service and its concurrency limit.
+every rollout server on this host (threads, processes, Ray) shares one service (it listens on
+127.0.0.1 only) and its concurrency limit.
 Training answers (split 'train') go to the service; held-out answers (split 'eval') are
 checked locally when `score_eval_locally` (the default), so evaluation measures the policy,
 not the verifier's queue. A task outside `services` (a unit test, a benchmark that builds a run
@@ -45,7 +46,10 @@ ROLLPACKER_MAX_RESPONSE_LEN = 16384
 
 def check_quantiles(quantiles: Sequence[Sequence[float]], source_max_len: int) -> np.ndarray:
   """The (quantile, length) points as float64 [K, 2], or ValueError naming what is wrong."""
-  points = np.asarray(quantiles, np.float64)
+  try:
+    points = np.asarray(quantiles, np.float64)
+  except (TypeError, ValueError):
+    points = np.zeros((0,))
   if points.ndim != 2 or points.shape[1] != 2 or len(points) < 2:
     raise ValueError(f"length_quantiles must be >= 2 (quantile, tokens) pairs, got {quantiles!r}")
   q, lengths = points[:, 0], points[:, 1]
