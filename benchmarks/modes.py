@@ -41,7 +41,7 @@ from jaxrl_async.metrics import read_jsonl
 from jaxrl_async.run import api
 from launch import train
 
-MODES = ("sync", "on_policy", "stream_off_policy", "async_stale", "async_partial")
+MODES = config_lib.MODES
 
 
 def gin_file(name: str) -> str:

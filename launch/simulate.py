@@ -8,8 +8,8 @@
 Each mode's knobs come from its gin file (gin/modes/<mode>.gin) plus --gin_bindings, as in
 `jaxrl-async train`. With --published they are the published run's own settings, and
 --gin_bindings of `RunConfig.<field>` apply on top of them (what-if questions of a published
-setup, e.g. `RunConfig.staleness_threshold = 0.3`); bindings of other classes are refused. Prints one JSON line
-(per mode: samples/s, speedup over sync, idle ratio of each role, stale ratio, version-gap
+setup, e.g. `RunConfig.staleness_threshold = 0.3`); bindings of other classes are refused.
+Prints one JSON line (per mode: samples/s, speedup over sync, idle ratio of each role, stale ratio, version-gap
 distribution, partial ratio); --out writes <out>/<mode>/metrics.jsonl and summary.json with
 the metric names of a real run, and <out>/simulation.json.
 """
@@ -17,11 +17,18 @@ the metric names of a real run, and <out>/simulation.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 
-MODES = ("sync", "on_policy", "stream_off_policy", "async_stale", "async_partial")
+import gin
+from jaxrl_async import config as config_lib
+from jaxrl_async.config import MODES
+from jaxrl_async.sim import fit, published, simulate, sweep
+from jaxrl_async.sim.profile import load_profile, save_profile
+from launch import train
+
 REPORTED = ("system/samples_per_s", "rollout/idle_ratio", "reward/idle_ratio",
             "learner/idle_ratio", "sync/idle_ratio", "algo/stale_ratio", "algo/version_gap_mean",
             "algo/version_gap_max", "algo/version_gap_hist", "algo/partial_ratio",
@@ -56,10 +63,6 @@ def parse_args(argv):
 
 def mode_configs(modes, bindings) -> dict:
   """Each mode's RunConfig from its gin file and the bindings (gin stays at this edge)."""
-  import gin
-  from jaxrl_async import config as config_lib
-  from launch import train
-
   configs = {}
   for mode in modes:
     if mode not in MODES:
@@ -74,12 +77,6 @@ def run_config_overrides(bindings) -> dict:
   """The RunConfig fields `bindings` set, as values (parsed by gin, as `train` parses them).
   Only `RunConfig.<field> = value` bindings are accepted: a published setup's other settings
   are not the simulator's to change."""
-  import dataclasses
-
-  import gin
-  from jaxrl_async import config as config_lib
-  from launch import train
-
   names = {f.name for f in dataclasses.fields(config_lib.RunConfig)}
   fields = []
   for binding in bindings:
@@ -103,11 +100,6 @@ def run_config_overrides(bindings) -> dict:
 
 
 def load(args):
-  import dataclasses
-
-  from jaxrl_async.sim import fit, published
-  from jaxrl_async.sim.profile import load_profile
-
   if args.published:
     family, _, gpus = args.published.partition(":")
     if family != "verl" or not gpus.isdigit():
@@ -135,9 +127,6 @@ def load(args):
 
 def main(argv=None) -> int:
   args = parse_args(list(sys.argv[1:] if argv is None else argv))
-  from jaxrl_async.sim import simulate, sweep
-  from jaxrl_async.sim.profile import save_profile
-
   try:
     profile, configs = load(args)
   except (ValueError, FileNotFoundError) as error:

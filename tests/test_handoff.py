@@ -16,12 +16,11 @@ def sample(versions, enqueued, consumed):
 
 
 def test_intervals_are_measured_from_the_first_sample_carrying_each_version():
-  handoffs = Handoffs()
-  handoffs.publish(1, 10.0)
-  handoffs.publish(2, 20.0)
-  handoffs.publish(1, 99.0)  # a version is published once: the first time counts
+  published = {1: 10.0}
+  handoffs = Handoffs(published)
   assert handoffs.intervals(1) is None  # no sample of version 1 seen yet
   handoffs.observe([[sample((1, 1), enqueued=12.0, consumed=15.0)]])
+  published[2] = 20.0  # the publisher adds versions as it publishes them
   handoffs.observe([[sample((1, 2), enqueued=21.5, consumed=24.0),  # partial: tokens of 1, 2
                      sample((2, 2), enqueued=22.0, consumed=23.0)]])
   assert handoffs.intervals(1) == {"publish_to_enqueue_s": 2.0, "enqueue_to_take_s": 3.0,
@@ -36,8 +35,7 @@ def test_intervals_are_measured_from_the_first_sample_carrying_each_version():
 
 
 def test_no_complete_version_gives_nan_figures():
-  handoffs = Handoffs()
-  handoffs.publish(0, 1.0)
+  handoffs = Handoffs({0: 1.0})
   summary = handoffs.summary()
   assert summary["handoff/versions"] == 0
   assert math.isnan(summary["handoff/publish_to_enqueue_s_p50"])

@@ -2,7 +2,7 @@
 
 Where a hang stops the run's progress, the watchdog prints the thread stacks naming the point
 and exits with its code; a reward call that never returns is timed out, counted, and does not
-keep the process from exiting. Runs start a few at a time (they mostly wait)."""
+keep the process from exiting. A test's runs start together (they mostly wait)."""
 
 import json
 import os

@@ -24,15 +24,13 @@ INTERVALS = ("publish_to_enqueue_s", "enqueue_to_take_s", "publish_to_take_s")
 
 
 class Handoffs:
-  """The three instants per version, and the intervals between them."""
+  """The three instants per version, and the intervals between them. `published` (version ->
+  when its publish began) is kept by the publisher (`LearnerRole.published_at`) and read here."""
 
-  def __init__(self):
-    self.published: dict[int, float] = {}
+  def __init__(self, published: dict[int, float]):
+    self.published = published
     self.first_enqueued: dict[int, float] = {}
     self.first_taken: dict[int, float] = {}
-
-  def publish(self, version: int, when: float) -> None:
-    self.published.setdefault(int(version), float(when))
 
   def observe(self, groups) -> None:
     """The samples of consumed groups (their `enqueued` and `consumed` timestamps)."""
@@ -41,7 +39,7 @@ class Handoffs:
         stamps = sample.timestamps
         if "enqueued" not in stamps or "consumed" not in stamps:
           continue
-        for version in {int(v) for v in np.unique(sample.token_versions)}:
+        for version in set(sample.token_versions.tolist()):
           enqueued = self.first_enqueued.get(version, math.inf)
           self.first_enqueued[version] = min(enqueued, stamps["enqueued"])
           taken = self.first_taken.get(version, math.inf)

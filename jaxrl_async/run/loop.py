@@ -137,7 +137,6 @@ def _run(parts: Parts, backend: Backend, connection: Connection, run_dir, *, res
         + (f" with {len(taken)} groups taken for the next update" if taken else ""))
   bar = progress_bar(cfg.num_versions, version, progress)
   consumed_groups: list[list[int]] = []  # [group id, prompt id] of every consumed group
-  handoffs = Handoffs()  # publish -> first sample in the buffer -> the learner's take
 
   def save_checkpoint(at_version: int, learner_state, pending) -> None:
     with timer.excluded():
@@ -183,8 +182,6 @@ def _run(parts: Parts, backend: Backend, connection: Connection, run_dir, *, res
     record.update(sync)
     record.update(fleet_figures(fleet))
     record["learner/wait_s"] = learner.wait_s
-    for published, when in learner.published_at.items():
-      handoffs.publish(published, when)
     handoffs.observe(groups)
     latest = handoffs.intervals(at_version - 1)  # the version most of these tokens came from
     record.update({f"handoff/{name}": value for name, value in (latest or {}).items()})
@@ -200,6 +197,8 @@ def _run(parts: Parts, backend: Backend, connection: Connection, run_dir, *, res
 
   learner = make_learner_role(parts, state, buffer, channel, timer, start_version=version,
                               on_version=on_version, taken=taken)
+  # Publish -> first sample of the version in the buffer -> the learner's take.
+  handoffs = Handoffs(learner.published_at)
 
   def save_after_stop() -> None:
     """The learner has stopped: its state, the groups it had taken and the fleet's snapshot
@@ -282,7 +281,7 @@ def _run(parts: Parts, backend: Backend, connection: Connection, run_dir, *, res
              "learner_step": int(final_state.step), "consumed_samples": totals["consumed"],
              "system/samples_per_s": totals["consumed"] / wall_s,
              "system/tokens_per_s": totals["tokens"] / wall_s,
-             "queue/discarded_at_end": queued, **handoffs.summary(), "run_dir": os.path.abspath(run_dir),
-             "checkpoint_dir": checkpointer.directory}
+             "queue/discarded_at_end": queued, **handoffs.summary(),
+             "run_dir": os.path.abspath(run_dir), "checkpoint_dir": checkpointer.directory}
   return summary, final_state
 
