@@ -39,3 +39,22 @@ def warm_start_cache():
     os.environ.pop("JAXRL_ASYNC_CACHE", None)
   else:
     os.environ["JAXRL_ASYNC_CACHE"] = previous
+
+
+
+def _expected_length(item) -> tuple[int, int]:
+  slow = item.get_closest_marker("slow") is not None
+  timeout = item.get_closest_marker("timeout")
+  bound = timeout.args[0] if timeout is not None and timeout.args else 600
+  return (0 if slow else 1, -bound)
+
+
+def pytest_collection_modifyitems(items):
+  """Modules with slow tests first, the longest bound first: with pytest-xdist, a long test that
+  starts last keeps one worker busy after the other has run out of work. A module's tests stay
+  together, in their order (its module-scoped fixtures are built once)."""
+  rank: dict[str, tuple[int, int]] = {}
+  for item in items:
+    rank[item.nodeid.split("::")[0]] = min(rank.get(item.nodeid.split("::")[0], (1, 0)),
+                                           _expected_length(item))
+  items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])  # stable within a module

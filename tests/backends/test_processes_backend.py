@@ -201,8 +201,10 @@ def test_resume_gives_each_server_its_shard_back(tmp_path):
 
 
 @pytest.mark.slow
+# A clean run's held-out accuracy is about 0.49 at version 0, 0.78 at 100 and 0.80 at 150 (256
+# problems: a standard error near 0.025); the whole budget's bar is the soak's.
 @pytest.mark.parametrize("versions, accuracy", [
-    (300, 0.75), pytest.param(800, 0.85, marks=pytest.mark.soak)], ids=["300", "default"])
+    (150, 0.72), pytest.param(800, 0.85, marks=pytest.mark.soak)], ids=["150", "default"])
 def test_the_default_task_trains_with_rollout_servers_as_processes(tmp_path, versions, accuracy):
   """The README's default run (gin/modes/async_partial.gin) with backend='processes'."""
   train.load_config(["gin/modes/async_partial.gin"], [

@@ -84,5 +84,6 @@ def kill_learner_then_resume(run_dir, bindings, env=None) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # above both lives' own bounds (600 s each): a slow life reports itself
 def test_a_sigkilled_learner_process_leaves_no_server_and_resumes(tmp_path):
   kill_learner_then_resume(tmp_path / "run", BINDINGS)

@@ -262,13 +262,17 @@ RAY_PLACEMENT = dict(backend="ray", ray_learner_resource="learner",
 
 
 @pytest.mark.slow
-def test_the_default_task_trains_with_rollout_servers_as_ray_actors(cluster, tmp_path):
+@pytest.mark.parametrize("versions, accuracy", [  # the bars of the processes backend's test
+    (150, 0.72), pytest.param(800, 0.85, marks=pytest.mark.soak)], ids=["150", "default"])
+def test_the_default_task_trains_with_rollout_servers_as_ray_actors(cluster, tmp_path, versions,
+                                                                    accuracy):
   """The README's default run (gin/modes/async_partial.gin) with backend='ray', the rollout
   actor on the rollout node and the learner (driver), buffer and weights on the learner node."""
   del cluster
   train.load_config(["gin/modes/async_partial.gin"], [
       "RunConfig.backend = 'ray'", "RunConfig.ray_learner_resource = 'learner'",
-      "RunConfig.ray_rollout_resource = 'rollout'", "RunConfig.eval_every_versions = 200"])
+      "RunConfig.ray_rollout_resource = 'rollout'", "RunConfig.eval_every_versions = 100",
+      f"RunConfig.total_samples = {versions * 64}"])
   try:
     config = gin.get_configurable(config_lib.RunConfig)()
   finally:
@@ -278,7 +282,7 @@ def test_the_default_task_trains_with_rollout_servers_as_ray_actors(cluster, tmp
   assert summary["ray/rollout_nodes"] == [node_with("rollout")]
   assert summary["ray/driver_node"] == node_with("learner")
   assert summary["policy_version"] == config.num_versions
-  assert summary["eval/accuracy"] >= 0.85
+  assert summary["eval/accuracy"] >= accuracy
   records = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "algo/version_gap_max" in r]
   assert max(r["algo/version_gap_max"] for r in records) <= config.max_version_gap
   dropped = sum(v for k, v in summary.items() if k.startswith("queue/dropped/"))
@@ -340,15 +344,17 @@ def test_a_stopped_rollout_actor_is_found_by_the_heartbeat_and_restarted(cluster
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason=(
-    "open: one sample lost ((26, 3)) in one clean-clone run of the whole suite, never seen "
-    "again; one run under a load average near 10 ended at its 600 s life bound (output not "
-    "kept). Passes in every other run, alone, under load and in the suite. With --runxfail a "
-    "failure prints the lost samples' ledger events."))
+@pytest.mark.timeout(1500)  # above both lives' own bounds (600 s each): a slow life reports itself
 def test_a_sigkilled_ray_driver_leaves_no_actor_and_resumes(cluster, tmp_path):
   """The learner (the Ray driver, here a `launch.train` process joined to this cluster) is
   SIGKILLed after its second checkpoint: Ray ends the rollout actors it owned, and `--resume`
-  (a new driver) finishes with every group and prompt consumed once across both lives."""
+  (a new driver) finishes with every group and prompt consumed once across both lives.
+
+  The one sample this test once found lost (group 26's last member) was a batch scored while its
+  server stopped and put into the buffer after the run's final discard; rollout servers now wait
+  for the batches being scored before they answer the stop
+  (test_server_admission.py::test_a_server_stopped_while_a_batch_is_scored_accounts_for_the_batch
+  holds it)."""
   from tests.backends import test_processes_learner_kill as learner_kill
   bindings = learner_kill.BINDINGS + (
       "RunConfig.backend = 'ray'", "RunConfig.ray_learner_resource = 'learner'",
