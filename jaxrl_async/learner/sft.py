@@ -3,17 +3,25 @@
 RL on a verifiable task needs a base policy that is right some of the time (here 10% to 60% on
 the held-out set), or every GRPO group has equal rewards and no signal. `warm_start` trains one on
 the task's reference answers; `cached_base_policy` makes it once per (task, model, recipe) and keeps
-it in an orbax checkpoint under a cache directory.
+it in an orbax checkpoint under a cache directory. Processes that need the same one at once (a
+sweep's trials, a fleet started together) take turns on a lock file beside it: one trains, the
+others wait and load its copy.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import pathlib
 import sys
+
+try:
+  import fcntl
+except ImportError:  # not a POSIX system: no lock, concurrent runs may each train a copy
+  fcntl = None
 
 import jax
 import jax.numpy as jnp
@@ -96,25 +104,49 @@ def default_cache_dir() -> pathlib.Path:
   return pathlib.Path(root)
 
 
+@contextlib.contextmanager
+def _exclusive(lock_path: pathlib.Path, log=print):
+  """Holds an exclusive lock on `lock_path` (released by the OS if this process dies, so a
+  waiter never waits on a process that is gone)."""
+  if fcntl is None:
+    yield
+    return
+  lock_path.parent.mkdir(parents=True, exist_ok=True)
+  with open(lock_path, "a+", encoding="utf-8") as f:
+    try:
+      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      log(f"base policy: another process is making it; waiting for {lock_path.parent}")
+      fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def cached_base_policy(task, model_config: ModelConfig, config: WarmStartConfig, mesh, *,
                        cache_dir: str | os.PathLike | None = None, log=print):
-  """Load the base policy for (task, model, recipe) from the cache, or train and cache it."""
+  """Load the base policy for (task, model, recipe) from the cache, or train and cache it (one
+  process at a time per cache entry: the others wait for its copy)."""
   directory = pathlib.Path(cache_dir or default_cache_dir()) / "base" / _cache_key(
       task, model_config, config)
   graphdef, abstract = split_model(jax.eval_shape(lambda: init_model(model_config)))
   del graphdef
   checkpointer = ocp.StandardCheckpointer()
-  if (directory / "params").exists():
-    log(f"base policy: loading {directory}")
-    return checkpointer.restore(directory / "params", abstract)
-  log(f"base policy: warm start ({config.steps} supervised steps), caching in {directory}")
-  params = warm_start(task, model_config, config, mesh, log=log)
-  directory.mkdir(parents=True, exist_ok=True)
-  tmp = directory / f"params.tmp{os.getpid()}"
-  checkpointer.save(tmp.absolute(), params)
-  checkpointer.wait_until_finished()
-  try:
-    os.replace(tmp, directory / "params")  # atomic: a concurrent run sees all or nothing
-  except OSError as error:  # another process finished first; use its copy
-    print(f"base policy: keeping the existing cache ({error})", file=sys.stderr)
+  if not (directory / "params").exists():
+    with _exclusive(directory.parent / f"{directory.name}.lock", log):
+      if not (directory / "params").exists():  # not made while this process waited
+        log(f"base policy: warm start ({config.steps} supervised steps), caching in "
+            f"{directory}")
+        params = warm_start(task, model_config, config, mesh, log=log)
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / f"params.tmp{os.getpid()}"
+        checkpointer.save(tmp.absolute(), params)
+        checkpointer.wait_until_finished()
+        try:
+          os.replace(tmp, directory / "params")  # atomic: a reader sees all or nothing
+        except OSError as error:  # another process finished first; use its copy
+          print(f"base policy: keeping the existing cache ({error})", file=sys.stderr)
+        return checkpointer.restore((directory / "params").absolute(), abstract)
+  log(f"base policy: loading {directory}")
   return checkpointer.restore((directory / "params").absolute(), abstract)

@@ -1,5 +1,8 @@
 """Tests for jaxrl_async.learner.sft: cross-entropy reference, warm start learns, the cache."""
 
+import threading
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -117,9 +120,42 @@ def test_cached_base_policy_trains_once_then_loads(cached):
   assert jax.tree.structure(first) == jax.tree.structure(second)
   for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  entries = list((cached["cache_dir"] / "base").iterdir())
+  entries = [e for e in (cached["cache_dir"] / "base").iterdir() if e.is_dir()]
   assert len(entries) == 1 and (entries[0] / "params").exists()
+  assert (cached["cache_dir"] / "base" / f"{entries[0].name}.lock").exists()
   assert not list(entries[0].glob("params.tmp*"))  # the temporary checkpoint was renamed
+
+
+def test_callers_that_start_together_train_the_base_policy_once(tmp_path, monkeypatch):
+  """Two callers (threads here, processes in a sweep) on an empty cache at once: one trains, the
+  other waits on the entry's lock and loads the same copy."""
+  mesh = sharding.make_mesh(sharding.MeshShape(), jax.devices()[:1])
+  recipe = WarmStartConfig(steps=2, batch_size=8)
+  runs, logs, results = [], [], {}
+  real_warm_start = sft.warm_start
+  start = threading.Barrier(2)
+
+  def slow_warm_start(*args, **kwargs):
+    runs.append(1)
+    params = real_warm_start(*args, **kwargs)
+    time.sleep(1.0)  # still training when the other caller arrives
+    return params
+
+  def call(name):
+    start.wait()
+    results[name] = sft.cached_base_policy(TASK, MODEL_CONFIG, recipe, mesh,
+                                           cache_dir=tmp_path, log=logs.append)
+
+  monkeypatch.setattr(sft, "warm_start", slow_warm_start)
+  threads = [threading.Thread(target=call, args=(name,)) for name in ("a", "b")]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join(300)
+  assert set(results) == {"a", "b"}, logs
+  assert len(runs) == 1, logs
+  for x, y in zip(jax.tree.leaves(results["a"]), jax.tree.leaves(results["b"])):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_cache_key_depends_on_task_model_and_recipe():
