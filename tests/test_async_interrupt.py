@@ -64,8 +64,7 @@ def _versions(run_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 def test_sigint_stops_an_async_run_with_a_checkpoint_that_resumes(backend, tmp_path, request):
-  env = {**os.environ, "JAXRL_ASYNC_CACHE": str(tmp_path / "cache"),
-         "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}  # the session's base policy
   if backend == "ray":
     env.update(RAY_ADDRESS=request.getfixturevalue("ray_address"),
                RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
