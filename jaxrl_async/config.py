@@ -9,10 +9,12 @@ groups; `trigger_parameter_sync_step` local updates make one policy version.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from jaxrl_async.buffer.admission import admission_budget
 from jaxrl_async.buffer.groups import drop_uniform_reward
+from jaxrl_async.buffer.staleness_control import CONTROLLERS
 from jaxrl_async.config_types import check_field_types
 from jaxrl_async.learner.sft import WarmStartConfig
 from jaxrl_async.learner.step import LearnerConfig
@@ -48,6 +50,19 @@ class RunConfig:
   max_version_gap: int | None = None
   partial_rollout: bool = False
   partial_strategy: str = "reprefill"
+  # -- adaptive staleness (buffer/staleness_control.py): 'fixed' keeps s; 'adaptive' moves it
+  # within [staleness_min, staleness_max] by staleness_step once per staleness_window_versions
+  # versions, to keep the learner's idle ratio under idle_target while the stale ratio and the
+  # KL (algo/kl) stay under their budgets (docs/knobs.md).
+  staleness_controller: str = "fixed"
+  staleness_window_versions: int = 10
+  staleness_step: float = 0.25
+  staleness_min: float = 0.0
+  staleness_max: float = 2.0
+  idle_target: float = 0.1
+  stale_ratio_budget: float = 0.5
+  kl_budget: float = 0.02
+  staleness_hysteresis: float = 0.2
   # -- rollout --
   max_concurrent_decodes: int = 64
   decode_steps_per_call: int = 1
@@ -101,10 +116,15 @@ class RunConfig:
     for name in ("watchdog_timeout_s", "watchdog_startup_s"):
       if getattr(self, name) is not None and not getattr(self, name) > 0:
         raise ValueError(f"{name} must be > 0 or None (off), got {getattr(self, name)}")
+    _choice("staleness_controller", self.staleness_controller, CONTROLLERS)
+    _positive_int("staleness_window_versions", self.staleness_window_versions)
+    if self.adaptive_staleness:
+      _check_adaptive(self)
     if self.buffer_capacity is not None and self.buffer_capacity < self.min_capacity:
+      largest = "staleness_max" if self.adaptive_staleness else "staleness_threshold"
       raise ValueError(
           f"buffer_capacity={self.buffer_capacity} must be >= group_size * floor((1 + "
-          f"staleness_threshold) * groups_per_version) = {self.group_size} * "
+          f"{largest}) * groups_per_version) = {self.group_size} * "
           f"{self.min_capacity // self.group_size} = {self.min_capacity} (or None): a smaller "
           "buffer can fill with partial groups and deadlock")
     _choice("partial_strategy", self.partial_strategy, PARTIAL_STRATEGIES)
@@ -156,9 +176,24 @@ class RunConfig:
                        "is in flight across a version boundary)")
 
   @property
+  def adaptive_staleness(self) -> bool:
+    return self.staleness_controller == "adaptive"
+
+  @property
+  def largest_staleness(self) -> float:
+    """The largest s of the run: staleness_max when the controller may raise s."""
+    return self.staleness_max if self.adaptive_staleness else self.staleness_threshold
+
+  @property
+  def asserts_on_policy(self) -> bool:
+    """Every consumed token has version gap 0 (s = 0 for the whole run), so the learner may
+    assert it."""
+    return self.staleness_threshold == 0 and not self.adaptive_staleness
+
+  @property
   def min_capacity(self) -> int:
-    """Samples the buffer must hold: every group the admission budget lets start."""
-    return self.group_size * admission_budget(self.staleness_threshold, self.groups_per_version)
+    """Samples the buffer must hold: every group the largest admission budget lets start."""
+    return self.group_size * admission_budget(self.largest_staleness, self.groups_per_version)
 
   @property
   def capacity(self) -> int:
@@ -202,6 +237,42 @@ class RunConfig:
   @property
   def is_async(self) -> bool:
     return self.mode != "sync"
+
+
+ADAPTIVE_MODES = ("async_stale", "async_partial")
+
+
+def _check_adaptive(config) -> None:
+  """staleness_controller='adaptive': a mode whose s may be > 0, and bounds that hold s."""
+  if config.mode not in ADAPTIVE_MODES:
+    raise ValueError(
+        f"staleness_controller='adaptive' needs mode {ADAPTIVE_MODES[0]!r} or "
+        f"{ADAPTIVE_MODES[1]!r}, got mode={config.mode!r}: that mode needs staleness_threshold "
+        "= 0 for the whole run (use staleness_controller='fixed')")
+  for name in ("staleness_threshold", "staleness_min", "staleness_max", "staleness_step",
+               "idle_target", "stale_ratio_budget", "kl_budget", "staleness_hysteresis"):
+    if not math.isfinite(getattr(config, name)):
+      raise ValueError(f"{name} must be finite with staleness_controller='adaptive', got "
+                       f"{getattr(config, name)}")
+  low, s, high = config.staleness_min, config.staleness_threshold, config.staleness_max
+  if not 0 <= low <= s <= high:
+    raise ValueError(
+        f"staleness_controller='adaptive' needs 0 <= staleness_min <= staleness_threshold <= "
+        f"staleness_max (s starts at staleness_threshold and moves between the bounds), got "
+        f"staleness_min={low}, staleness_threshold={s}, staleness_max={high}")
+  if config.partial_rollout and low == 0:
+    raise ValueError("partial_rollout=True needs staleness_min > 0 with staleness_controller="
+                     "'adaptive' (with s = 0 nothing is in flight across a version boundary)")
+  if not config.staleness_step > 0:
+    raise ValueError(f"staleness_step must be > 0, got {config.staleness_step}")
+  for name in ("idle_target", "stale_ratio_budget"):
+    if not 0 <= getattr(config, name) <= 1:
+      raise ValueError(f"{name} must be in [0, 1] (a ratio), got {getattr(config, name)}")
+  if config.kl_budget < 0:
+    raise ValueError(f"kl_budget must be >= 0, got {config.kl_budget}")
+  if not 0 <= config.staleness_hysteresis < 1:
+    raise ValueError(f"staleness_hysteresis must be in [0, 1) (the share of a budget below "
+                     f"which s may rise again), got {config.staleness_hysteresis}")
 
 
 def _check_ray(config) -> None:

@@ -10,6 +10,8 @@ draws, with matplotlib's Agg backend (`pip install -e '.[plot]'`):
   queue_depth.png   samples queued in the buffer against wall-clock;
   idle_ratios.png   each role's idle ratio over the whole run;
   overview.png      accuracy against wall-clock, samples/s and idle ratios in one figure;
+  staleness.png     the staleness threshold s in force at each policy version, for runs with
+                    an adaptive controller (`staleness/threshold`; only when a run has it);
 and index.html, which shows them all below a table of each run's final figures.
 Wall-clock everywhere is the run's own clock: evaluation and checkpoint time are excluded.
 """
@@ -256,6 +258,26 @@ def _idle_bars(ax, runs):
   ax.legend(fontsize=8, ncols=len(ROLES), loc="upper center")
 
 
+def has_staleness(run: Run) -> bool:
+  return any(r.get("staleness/threshold") is not None for r in run.versions)
+
+
+def plot_staleness(plt, runs, path):
+  """s against the policy version (a step where the adaptive controller changed it)."""
+  fig, ax = plt.subplots(figsize=(8, 4.5))
+  for run in runs:
+    points = [r for r in run.versions if r.get("staleness/threshold") is not None]
+    if points:
+      ax.step([r["policy_version"] for r in points], [r["staleness/threshold"] for r in points],
+              where="post", label=run.label)
+  ax.set(xlabel="policy version", ylabel="staleness threshold s",
+         title="staleness threshold in force (adaptive controller)")
+  ax.grid(alpha=0.3)
+  _legend(ax)
+  fig.tight_layout()
+  _save(plt, fig, runs, path)
+
+
 def plot_idle_ratios(plt, runs, path):
   fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(runs) + 3), 4.5))
   _idle_bars(ax, runs)
@@ -338,6 +360,9 @@ def write_report(run_dirs, out_dir: str, *, names=None, timeline_versions: int =
   plot_version_gap(plt, runs, figures["version_gap"])
   plot_queue_depth(plt, runs, figures["queue_depth"])
   plot_idle_ratios(plt, runs, figures["idle_ratios"])
+  if any(has_staleness(run) for run in runs):
+    figures["staleness"] = os.path.join(out_dir, "staleness.png")
+    plot_staleness(plt, runs, figures["staleness"])
   return {**figures, "html": write_html(runs, out_dir, figures)}
 
 

@@ -197,6 +197,12 @@ class ControllerBuffer(abc.ABC):
   @abc.abstractmethod
   def check_invariants(self) -> None: ...
 
+  @abc.abstractmethod
+  def set_staleness_threshold(self, staleness_threshold: float,
+                              from_version: int) -> dict:
+    """Admission budget floor((1 + s) N) for the windows opened at rollout versions >=
+    `from_version` (adaptive staleness; `buffer.admission.StalenessBudget`)."""
+
 
 ControllerBuffer.register(VersionedBuffer)  # the buffer of this process has every method
 

@@ -19,11 +19,18 @@ holds at all times and a refund never takes `used` below zero. With s = 0 (budge
 groups that can still reach the learner are charged to window v, and a dropped one can always be
 replaced; once the learner has consumed N groups of version v, nothing is left for it to see
 before `open_window(v + 1)`, so every consumed token has version gap 0.
+
+A new budget (adaptive staleness, `staleness_control.py`) is scheduled from a version with
+`schedule`, never applied inside a window: `open_window(version)` takes the latest budget
+scheduled from a version <= `version` (a rollout side that skips versions still gets the newest
+one due) and keeps the later ones. A lowered budget may open below the carried work; the window
+then admits nothing until drops refund it below the budget, so `used <= max(budget, carried)`.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 _LEDGER_FIELDS = ("used", "carried", "admitted", "refunded", "in_flight", "outstanding",
@@ -42,10 +49,11 @@ def admission_budget(staleness_threshold: float, groups_per_version: int) -> int
 class AdmissionLedger:
   """Counts of the admission ledger; not thread-safe (the buffer's lock guards it)."""
 
-  __slots__ = ("budget",) + _LEDGER_FIELDS
+  __slots__ = ("budget", "scheduled") + _LEDGER_FIELDS
 
   def __init__(self, budget: int):
     self.budget = budget
+    self.scheduled: list[tuple[int, int]] = []  # (from version, budget), by version
     self.used = 0  # groups charged to the current window
     self.carried = 0  # outstanding groups when the window opened
     self.admitted = 0  # admitted in this window
@@ -86,7 +94,17 @@ class AdmissionLedger:
       return True
     return False
 
-  def open_window(self) -> None:
+  def schedule(self, budget: int, from_version: int) -> None:
+    """`budget` for the windows opened at versions >= `from_version` (it replaces what was
+    scheduled from that version or a later one)."""
+    self.scheduled = [entry for entry in self.scheduled if entry[0] < from_version]
+    self.scheduled.append((int(from_version), int(budget)))
+
+  def open_window(self, version: int) -> None:
+    due = [budget for from_version, budget in self.scheduled if from_version <= version]
+    if due:
+      self.budget = due[-1]
+      self.scheduled = [entry for entry in self.scheduled if entry[0] > version]
     self.carried = self.outstanding
     self.used = self.outstanding
     self.admitted = 0
@@ -107,17 +125,60 @@ class AdmissionLedger:
     if self.outstanding != self.in_flight + admitted_partial + admitted_ready:
       found.append(f"outstanding={self.outstanding} != in_flight={self.in_flight} + "
                    f"partial={admitted_partial} + ready={admitted_ready}")
-    if not 0 <= self.outstanding <= self.used <= self.budget:
+    if not 0 <= self.outstanding <= self.used <= max(self.budget, self.carried):
       found.append(f"need 0 <= outstanding={self.outstanding} <= used={self.used} <= "
-                   f"budget={self.budget}")
+                   f"max(budget={self.budget}, carried={self.carried})")
     if self.used != self.carried + self.admitted - self.refunded:
       found.append(f"used={self.used} != carried={self.carried} + admitted={self.admitted} - "
                    f"refunded={self.refunded}")
     return found
 
-  def to_state(self) -> dict[str, int]:
-    return {name: int(getattr(self, name)) for name in _LEDGER_FIELDS}
+  def budgets(self) -> dict[str, Any]:
+    """The budget in force and the scheduled ones, [[from version, budget], ...]."""
+    return {"budget": self.budget, "scheduled": [list(entry) for entry in self.scheduled]}
+
+  def to_state(self) -> dict[str, Any]:
+    return {**{name: int(getattr(self, name)) for name in _LEDGER_FIELDS}, **self.budgets()}
 
   def load_state(self, state: dict[str, Any]) -> None:
+    """Counts and budgets saved by `to_state` (a state without budgets keeps this ledger's)."""
     for name in _LEDGER_FIELDS:
       setattr(self, name, int(state[name]))
+    self.budget = int(state.get("budget", self.budget))
+    self.scheduled = [(int(version), int(budget))
+                      for version, budget in state.get("scheduled", [])]
+
+
+class StalenessBudget:
+  """What `VersionedBuffer` (which mixes this in) offers adaptive staleness: a new staleness
+  threshold for its admission, taking effect at a window opening. Uses the buffer's lock,
+  ledger and capacity, as the functions of observe.py do."""
+
+  def set_staleness_threshold(self, staleness_threshold: float,
+                              from_version: int) -> dict[str, Any]:
+    """Admission budget floor((1 + s) N) for the windows opened at rollout versions >=
+    `from_version` (the current window keeps its budget). Returns the ledger's `budgets()`.
+    The buffer's capacity must hold the new budget's groups (see `errors.check_buffer_config`).
+    """
+    if not (_is_real(staleness_threshold) and math.isfinite(staleness_threshold)
+            and staleness_threshold >= 0):
+      raise ValueError(f"set_staleness_threshold: staleness_threshold={staleness_threshold!r} "
+                       "must be a finite number >= 0")
+    if not isinstance(from_version, numbers.Integral) or isinstance(from_version, bool) or (
+        from_version < 0):
+      raise ValueError(f"set_staleness_threshold: from_version={from_version!r} must be an "
+                       "int >= 0")
+    budget = admission_budget(staleness_threshold, self.config["groups_per_version"])
+    if self._group_size * budget > self._capacity:
+      raise ValueError(
+          f"set_staleness_threshold: staleness_threshold={staleness_threshold} needs capacity "
+          f">= group_size * floor((1 + s) * groups_per_version) = {self._group_size} * "
+          f"{budget} = {self._group_size * budget}, the buffer has {self._capacity} (size it "
+          "for the largest s: RunConfig.staleness_max)")
+    with self._lock:
+      self._ledger.schedule(budget, from_version)
+      return self._ledger.budgets()
+
+
+def _is_real(value: Any) -> bool:
+  return isinstance(value, numbers.Real) and not isinstance(value, bool)

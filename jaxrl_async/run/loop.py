@@ -15,6 +15,7 @@ import json
 import os
 
 from jaxrl_async.backends.base import Backend, Connection, RoleFailed
+from jaxrl_async.buffer import staleness_control
 from jaxrl_async.buffer.groups import decode_sample, encode_sample
 from jaxrl_async.checkpoint import RunCheckpointer
 from jaxrl_async.learner.learner import LearnerRole
@@ -70,7 +71,7 @@ def make_learner_role(parts: Parts, state, buffer, channel, timer, *, start_vers
       copy_params=copy_params, groups_per_update=cfg.groups_per_update,
       trigger_parameter_sync_step=cfg.trigger_parameter_sync_step,
       num_versions=cfg.num_versions, start_version=start_version,
-      on_policy=cfg.staleness_threshold == 0, max_version_gap=cfg.max_version_gap,
+      on_policy=cfg.asserts_on_policy, max_version_gap=cfg.max_version_gap,
       needs_window_params=cfg.needs_window_params, on_version=on_version,
       debug_checks=cfg.debug_checks, taken=taken)
 
@@ -96,6 +97,22 @@ def restore_run(checkpointer: RunCheckpointer, parts: Parts, *, log=print):
   restores = [{"rollout": server, "prompts": prompts}
               for server, prompts in zip(servers, shards.states, strict=True)]
   return state, run_state, restores
+
+
+def restore_staleness(control, cfg, run_state):
+  """The adaptive controller's state: the checkpoint's (its s within this run's bounds), or a
+  fresh one at `staleness_threshold`; None for 'fixed'."""
+  if control is None:
+    return None
+  saved = (run_state or {}).get("staleness")
+  if saved is None:
+    return staleness_control.init_state(cfg.staleness_threshold)
+  state = staleness_control.state_from_json(saved)
+  if not cfg.staleness_min <= state.threshold <= cfg.staleness_max:
+    raise ValueError(f"the checkpoint's staleness threshold {state.threshold} is outside "
+                     f"[staleness_min, staleness_max] = [{cfg.staleness_min}, "
+                     f"{cfg.staleness_max}]: resume with bounds that hold it")
+  return state
 
 
 def run_async(parts: Parts, backend: Backend, run_dir, *, resume: bool, progress: bool,
@@ -124,6 +141,8 @@ def _run(parts: Parts, backend: Backend, connection: Connection, run_dir, *, res
     taken = [[decode_sample(s) for s in group] for group in run_state.get("taken", [])]
     last_eval = dict(run_state.get("last_eval", {}))
     evaluated = run_state.get("evaluated_version")
+  control = staleness_control.control_of(cfg) if cfg.adaptive_staleness else None
+  staleness = restore_staleness(control, cfg, run_state)
   # Before anything is written: metrics.jsonl and ledger.jsonl back to the checkpoint's view
   # (empty for a run that starts from scratch), so versions made again are logged once.
   rewind_logs(run_dir, run_state)
@@ -153,6 +172,8 @@ def _run(parts: Parts, backend: Backend, connection: Connection, run_dir, *, res
                 "rollout": {"backend": backend.name,
                             "servers": [s["rollout"] for s in snapshots]},
                 "last_eval": last_eval, "evaluated_version": evaluated,
+                **({} if staleness is None else {
+                    "staleness": staleness_control.state_to_json(staleness)}),
                 **log_offsets(run_dir, ledger)})
       finally:
         fleet.resume()
@@ -168,7 +189,8 @@ def _run(parts: Parts, backend: Backend, connection: Connection, run_dir, *, res
     evaluated = at_version
     writer.write(eval_record(at_version, learner_state, totals["consumed"], timer, last_eval))
 
-  def on_version(at_version, learner_state, groups, accumulated, staleness):
+  def on_version(at_version, learner_state, groups, accumulated, gaps):
+    nonlocal staleness
     watchdog.progress()
     consumed_groups.extend([g[0].group_id, g[0].prompt_id] for g in groups)
     ledger.consumed(at_version, groups)
@@ -177,7 +199,7 @@ def _run(parts: Parts, backend: Backend, connection: Connection, run_dir, *, res
     sync = channel.metrics()
     record = version_record(cfg, timer, at_version, learner_state, groups, accumulated,
                             totals["consumed"], totals["tokens"], sync["sync/latency_s"])
-    record.update(staleness)
+    record.update(gaps)
     record.update(buffer.metrics())
     record.update(sync)
     record.update(fleet_figures(fleet))
@@ -185,6 +207,11 @@ def _run(parts: Parts, backend: Backend, connection: Connection, run_dir, *, res
     handoffs.observe(groups)
     latest = handoffs.intervals(at_version - 1)  # the version most of these tokens came from
     record.update({f"handoff/{name}": value for name, value in (latest or {}).items()})
+    if control is not None:  # the window's decision, in force from the next window on
+      staleness, fields, decision = staleness_control.on_record(control, staleness, record)
+      record.update(fields)
+      if decision is not None and decision.change:
+        buffer.set_staleness_threshold(decision.threshold, at_version + 1)
     writer.write(record)
     show_version(bar, record, last_eval)
     if learner.stopping:  # Ctrl-C or the watchdog: the loop saves once the learner stopped
@@ -232,6 +259,8 @@ def _run(parts: Parts, backend: Backend, connection: Connection, run_dir, *, res
     with watchdog:
       with timer.excluded():  # starting servers is not training time
         fleet.start(restores)
+      if staleness is not None:  # this life's role timer: the learner's busy time from 0
+        staleness = staleness._replace(mark=(timer.wall_s(), timer.busy_s("learner")))
       try:
         learner.start()
         while not learner.done.wait(fleet.heartbeat_s):
@@ -282,6 +311,7 @@ def _run(parts: Parts, backend: Backend, connection: Connection, run_dir, *, res
              "system/samples_per_s": totals["consumed"] / wall_s,
              "system/tokens_per_s": totals["tokens"] / wall_s,
              "queue/discarded_at_end": queued, **handoffs.summary(),
+             **({} if staleness is None else {"staleness/threshold": staleness.threshold}),
              "run_dir": os.path.abspath(run_dir), "checkpoint_dir": checkpointer.directory}
   return summary, final_state
 

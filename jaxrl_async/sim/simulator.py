@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from jaxrl_async.buffer import VersionedBuffer, admission_budget
+from jaxrl_async.buffer import VersionedBuffer, staleness_control
 from jaxrl_async.config import RunConfig
 from jaxrl_async.metrics import JsonlWriter, staleness_metrics
 from jaxrl_async.sim.clock import Clock, Device, Host
@@ -83,6 +83,11 @@ class Recorder:
     self.samples = self.tokens = self.updates = 0
     self.gap_hist = np.zeros(1, np.int64)
     self.partial = self.max_span = 0
+    # Adaptive staleness: the live loop's controller, on the same records.
+    self.control = (staleness_control.control_of(config)
+                    if getattr(config, "adaptive_staleness", False) else None)
+    self.staleness = (None if self.control is None
+                      else staleness_control.init_state(config.staleness_threshold))
 
   def busy(self) -> dict[str, float]:
     replicas = self.pool.replicas
@@ -123,6 +128,12 @@ class Recorder:
     for role, busy in self.busy().items():
       record[f"{role}/busy_s"] = busy
       record[f"{role}/idle_ratio"] = max(0.0, 1.0 - busy / wall)
+    if self.control is not None:  # as run/loop.py's on_version
+      self.staleness, fields, decision = staleness_control.on_record(self.control,
+                                                                     self.staleness, record)
+      record.update(fields)
+      if decision is not None and decision.change:
+        self.buffer.set_staleness_threshold(decision.threshold, version + 1)
     self.records.append(record)
     if version >= self.num_versions:
       self.clock.stopped = True
@@ -140,8 +151,8 @@ def simulate(profile: Profile, config: RunConfig, *, num_versions: int | None = 
               else {"learner": profile.learner_contention})
   rollout_cost, learner_cost = profile.resources(config.mode)
   rng = np.random.default_rng(seed)
-  budget = admission_budget(config.staleness_threshold, config.groups_per_version)
-  capacity = max(config.buffer_capacity or 0, config.group_size * budget)
+  # Room for the largest budget: staleness_max where the controller may raise s.
+  capacity = max(config.buffer_capacity or 0, config.min_capacity)
   buffer = VersionedBuffer(group_size=config.group_size,
                            groups_per_version=config.groups_per_version,
                            staleness_threshold=config.staleness_threshold,
@@ -181,7 +192,7 @@ def simulate(profile: Profile, config: RunConfig, *, num_versions: int | None = 
                          groups_per_update=config.groups_per_update,
                          trigger_parameter_sync_step=config.trigger_parameter_sync_step,
                          num_versions=num_versions,
-                         on_policy=config.staleness_threshold == 0,
+                         on_policy=config.asserts_on_policy,
                          max_version_gap=config.max_version_gap,
                          debug_checks=config.debug_checks, on_version=None)
 
@@ -241,4 +252,6 @@ def summarise(recorder: Recorder, config: RunConfig, profile: Profile, counts: d
       "sim/put": counts["put"], "sim/consumed": counts["consumed"],
       "sim/queued": counts["queued"], "sim/dropped": sum(counts["dropped"].values()),
   })
+  if recorder.staleness is not None:  # the s the adaptive controller ended at
+    summary["staleness/threshold"] = recorder.staleness.threshold
   return summary

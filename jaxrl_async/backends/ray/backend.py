@@ -271,6 +271,10 @@ class DriverBuffer(ControllerBuffer):
   def check_invariants(self) -> None:
     self.ray.get(self.actor.check_invariants.remote(), timeout=60.0)
 
+  def set_staleness_threshold(self, staleness_threshold, from_version) -> dict:
+    return self.ray.get(self.actor.set_staleness_threshold.remote(staleness_threshold,
+                                                                  from_version), timeout=60.0)
+
 
 def weight_channels(parts: Parts, run_dir, store) -> tuple[Any, dict]:
   """(the learner's end, how the rollout actors open theirs), by `RunConfig.sync_backend`:

@@ -138,6 +138,10 @@ class BufferActorImpl:
   def check_invariants(self) -> None:
     self.service.buffer.check_invariants()
 
+  def set_staleness_threshold(self, staleness_threshold: float, from_version: int) -> dict:
+    """The driver's adaptive staleness: the buffer's admission budget from `from_version`."""
+    return self.service.buffer.set_staleness_threshold(staleness_threshold, from_version)
+
   def node_id(self) -> str:
     return require_ray().get_runtime_context().get_node_id()
 
