@@ -5,7 +5,13 @@ the long-tailed digit-reverse task), then times `build_lib.learner_update` (layo
 jitted update, metrics) on the same batches with `pack_sequences` on and off, after every shape
 has compiled. Prints one JSON line: ms per update, tokens per batch (real and as laid out).
 
+Against the roofline (`benchmarks/roofline.py`, measured in the same run): the jitted update
+alone (`step.make_update_fn`, no host work) on 128 sequences of 16 tokens (8-token prompts, 16
+GRPO groups of 8, random tokens and rewards), for the default tiny model and for a 2-layer
+d_model-128 model (d_ff 512), as a fraction of max(FLOPs / matmul peak, bytes / bandwidth).
+
     python benchmarks/learner_step.py [--batches 30] [--repeats 5] [--out FILE]
+    python benchmarks/learner_step.py --roofline_only     # the roofline part alone, seconds
 """
 
 from __future__ import annotations
@@ -22,11 +28,77 @@ import jax
 import numpy as np
 
 import gin
+from benchmarks import roofline
 from benchmarks.common import emit_json_line
-from jaxrl_async import compilation_cache
+from jaxrl_async import compilation_cache, sharding
 from jaxrl_async.config import RunConfig
+from jaxrl_async.learner import step as step_lib
+from jaxrl_async.learner.batching import collate
+from jaxrl_async.model import get_config, init_model, param_logical_axes, split_model
 from jaxrl_async.run import build as build_lib
+from jaxrl_async.tasks.base import Problem
 from launch.train import DEFAULT_GIN, load_config
+
+# The small shapes of the roofline: (name, model overrides of the tiny preset).
+ROOFLINE_MODELS = (("tiny", {}), ("d128", {"d_model": 128, "d_ff": 512}))
+ROOFLINE_GROUPS, ROOFLINE_GROUP_SIZE = 16, 8  # 128 sequences
+ROOFLINE_PROMPT_LEN, ROOFLINE_RESPONSE_LEN = 8, 8  # 16 tokens each
+
+
+def _random_groups(vocab_size: int, seed: int = 0):
+  rng = np.random.default_rng(seed)
+  groups = []
+  for g in range(ROOFLINE_GROUPS):
+    problem = Problem(prompt_id=g,
+                      prompt_tokens=rng.integers(0, vocab_size, ROOFLINE_PROMPT_LEN))
+    group = []
+    for request in build_lib.make_group_requests(problem, g, ROOFLINE_GROUP_SIZE, seed):
+      sample = request.sample
+      sample.response_tokens = rng.integers(0, vocab_size, ROOFLINE_RESPONSE_LEN).astype(np.int32)
+      sample.behaviour_logprobs = np.full(ROOFLINE_RESPONSE_LEN, -np.log(vocab_size), np.float32)
+      sample.token_versions = np.zeros(ROOFLINE_RESPONSE_LEN, np.int32)
+      sample.reward = float(rng.integers(0, 2))
+      group.append(sample)
+    groups.append(group)
+  return groups
+
+
+def roofline_updates(machine: dict, repeats: int = 20, models=ROOFLINE_MODELS) -> dict:
+  """{name: roofline.fraction of the jitted update (median of `repeats`)} at the small shapes."""
+  out = {}
+  seq_len = ROOFLINE_PROMPT_LEN + ROOFLINE_RESPONSE_LEN
+  for name, overrides in models:
+    config = get_config("tiny", max_seq_len=seq_len, **overrides)
+    model = init_model(config)
+    graphdef, params = split_model(model)
+    learner_config = step_lib.LearnerConfig()
+    mesh = sharding.make_mesh(sharding.MeshShape(data=1, fsdp=1, tensor=1), jax.devices()[:1])
+    state = step_lib.init_train_state(params, learner_config.optimizer(), mesh,
+                                      param_logical_axes(model))
+    batch = step_lib.shard_batch(collate(_random_groups(config.vocab_size), seq_len), mesh)
+    update = step_lib.make_update_fn(graphdef, learner_config, ROOFLINE_GROUP_SIZE,
+                                     step_lib.state_shardings(state))
+    seconds = []
+    for i in range(repeats + 2):  # two warm-up calls: compile, then first run
+      began = time.perf_counter()
+      state, metrics = update(state, batch, None, np.float32(0), np.float32(0))
+      jax.block_until_ready((state, metrics))
+      if i >= 2:
+        seconds.append(time.perf_counter() - began)
+    rows, row_length = batch.tokens.shape
+    update_s = float(np.median(seconds))
+    account = roofline.fraction(
+        roofline.update_work(config, rows, row_length,
+                             head_recompute=learner_config.logit_chunk_size > 0),
+        update_s, machine["matmul_peak_gflops"], machine["bandwidth_gbs"])
+    model_flops = roofline.model_flops_per_update(config, rows, row_length)
+    account.update({
+        "rows": int(rows), "row_length": int(row_length), "num_params": config.num_params(),
+        "min_s": round(min(seconds), 6),
+        "model_flops_fraction_of_peak": round(
+            model_flops / update_s / 1e9 / machine["matmul_peak_gflops"][config.dtype], 4)})
+    out[name] = account
+  return out
 
 
 def main(argv=None) -> int:
@@ -36,8 +108,19 @@ def main(argv=None) -> int:
   parser.add_argument("--out", default=None)
   parser.add_argument("--gin_bindings", action="append", default=[],
                       help="bindings on top of the default run's gin file")
+  parser.add_argument("--roofline_only", action="store_true",
+                      help="only the update at the small shapes against the roofline")
+  parser.add_argument("--roofline_repeats", type=int, default=20)
   args = parser.parse_args(argv)
   compilation_cache.enable()
+  machine = roofline.measure()
+  roofline_record = {"machine": machine,
+                     "updates": roofline_updates(machine, args.roofline_repeats)}
+  if args.roofline_only:
+    emit_json_line({"benchmark": "learner_step", "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                    "roofline": roofline_record,
+                    "load_average_at_end": [round(x, 2) for x in os.getloadavg()]}, args.out)
+    return 0
   load_config([DEFAULT_GIN], args.gin_bindings)
   parts = build_lib.build(gin.get_configurable(RunConfig)(), log=lambda *a: None)
   cfg = parts.config
@@ -78,6 +161,8 @@ def main(argv=None) -> int:
     record[name] = {"ms_per_update": ms, "tokens_laid_out_per_batch": float(np.mean(laid_out))}
   record["packed_speedup"] = (record["one_row_per_sample"]["ms_per_update"]
                               / record["packed"]["ms_per_update"])
+  record["roofline"] = roofline_record
+  record["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
   emit_json_line(record, args.out)
   return 0
 

@@ -19,6 +19,12 @@ float32 logits (3.7 GB, several live at once: about 30 GB with `--logit_chunk_si
 exist. The update is still skipped (and says so) when XLA's account of it exceeds the memory
 available; `--learner_prompts N` then trains the first N prompts' groups only.
 
+Against the roofline (`benchmarks/roofline.py`): the same run measures this machine's matmul
+peak (float32 and bfloat16) and memory bandwidth, and reports prefill (one prompt, median), a
+decode step (median `generate` call / steps per call) and the update each as a fraction of the
+bound their shapes imply (`roofline.fraction`: max(FLOPs / peak, bytes / bandwidth) over the
+measured time).
+
 Prints one JSON line (with the machine's load average: timings on a shared machine vary).
 """
 
@@ -29,6 +35,7 @@ import dataclasses
 import json
 import os
 import resource
+import statistics
 import sys
 import time
 
@@ -37,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import numpy as np
 
+from benchmarks import roofline
 from benchmarks.common import emit_json_line
 from jaxrl_async import compilation_cache, sharding
 from jaxrl_async.learner import step as step_lib
@@ -107,6 +115,8 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   compilation_cache.enable()
   load = os.getloadavg()
+  machine = roofline.measure()
+  print(f"machine: {json.dumps(machine)}", file=sys.stderr)
   seq_len = args.prompt_len + args.response_len
   config = get_config(args.model, max_seq_len=seq_len, dtype=args.dtype,
                       param_dtype=args.param_dtype, remat=not args.no_remat)
@@ -122,11 +132,11 @@ def main(argv=None) -> int:
   if args.skip_decode:
     samples, decode = _random_responses(args, config.vocab_size), None
   else:
-    samples, decode = _decode(args, config, graphdef, params, slots)
+    samples, decode = _decode(args, config, graphdef, params, slots, machine)
   print(f"decode: {json.dumps(decode)}", file=sys.stderr)
 
   # ---- one learner update ----------------------------------------------------------------------
-  return _learn(args, config, params, logical_axes, samples, decode, init_s, load)
+  return _learn(args, config, params, logical_axes, samples, decode, init_s, load, machine)
 
 
 def _random_responses(args, vocab_size: int):
@@ -141,7 +151,28 @@ def _random_responses(args, vocab_size: int):
   return samples
 
 
-def _decode(args, config, graphdef, params, slots):
+class _TimedGenerate:
+  """The engine, with the wall time of each `generate` call (tokens on the host) recorded."""
+
+  def __init__(self, engine: Engine):
+    self._engine = engine
+    self.seconds: list[float] = []
+
+  def __getattr__(self, name):
+    return getattr(self._engine, name)
+
+  def generate(self, params, decode_state):
+    began = time.perf_counter()
+    out = self._engine.generate(params, decode_state)
+    self.seconds.append(time.perf_counter() - began)
+    return out
+
+
+def _fraction(work, seconds, machine):
+  return roofline.fraction(work, seconds, machine["matmul_peak_gflops"], machine["bandwidth_gbs"])
+
+
+def _decode(args, config, graphdef, params, slots, machine):
   engine = Engine(graphdef, config, max_concurrent_decodes=slots,
                   max_prefill_length=args.prompt_len, sampling=SamplingConfig(temperature=1.0),
                   cache_length=config.max_seq_len, steps_per_call=args.decode_steps)
@@ -150,19 +181,50 @@ def _decode(args, config, graphdef, params, slots):
   warm.set_params(params, 0)
   warm.run_to_completion(_requests(args, config.vocab_size, group_offset=1000))
   decode_compile_s = time.perf_counter() - began
-  batcher = ContinuousBatcher(engine, eos_id=-1, max_response_len=args.response_len)
+  timed = _TimedGenerate(engine)
+  batcher = ContinuousBatcher(timed, eos_id=-1, max_response_len=args.response_len)
   batcher.set_params(params, 0)
+  requests = _requests(args, config.vocab_size)
   began = time.perf_counter()
-  samples = batcher.run_to_completion(_requests(args, config.vocab_size))
+  samples = batcher.run_to_completion(requests)
   decode_s = time.perf_counter() - began
   decode_tokens = sum(len(s.response_tokens) for s in samples)
   assert decode_tokens == slots * args.response_len, decode_tokens
+  step_s = statistics.median(timed.seconds) / args.decode_steps
+  prefill_s = []
+  for request in requests[::args.samples]:  # one prefill per prompt, as the batcher does
+    tokens = engine.pad_to_bucket(np.asarray(request.sample.prompt_tokens, np.int32))
+    began = time.perf_counter()
+    jax.block_until_ready(engine.prefill(params=params, padded_tokens=tokens,
+                                         true_length=len(request.sample.prompt_tokens)))
+    prefill_s.append(time.perf_counter() - began)
+  bucket = len(engine.pad_to_bucket(np.zeros(args.prompt_len, np.int32)))
   return samples, {"tokens": decode_tokens, "seconds": round(decode_s, 2),
                    "tokens_per_s": round(decode_tokens / decode_s, 2),
-                   "compile_and_warmup_s": round(decode_compile_s, 1)}
+                   "compile_and_warmup_s": round(decode_compile_s, 1),
+                   "step_s": round(step_s, 4),
+                   "step_roofline": _fraction(
+                       roofline.decode_step_work(config, slots, engine.cache_length), step_s,
+                       machine),
+                   "prefill_s": round(statistics.median(prefill_s), 4),
+                   "prefill_roofline": _fraction(roofline.prefill_work(config, bucket),
+                                                 statistics.median(prefill_s), machine)}
 
 
-def _learn(args, config, params, logical_axes, samples, decode, init_s, load):
+def _update_fraction(config, batch, update_s, args, machine):
+  if not np.isfinite(update_s):
+    return None
+  rows, row_length = batch.tokens.shape
+  work = roofline.update_work(config, rows, row_length,
+                              head_recompute=args.logit_chunk_size > 0)
+  account = _fraction(work, update_s, machine)
+  model_flops = roofline.model_flops_per_update(config, rows, row_length)
+  account["model_flops_fraction_of_peak"] = round(
+      model_flops / update_s / 1e9 / machine["matmul_peak_gflops"][config.dtype], 4)
+  return account
+
+
+def _learn(args, config, params, logical_axes, samples, decode, init_s, load, machine):
   rng = np.random.default_rng(args.seed)
   groups = {}
   for sample in samples:
@@ -214,7 +276,9 @@ def _learn(args, config, params, logical_axes, samples, decode, init_s, load):
       "decode": decode,
       "learner": {"logit_chunk_size": args.logit_chunk_size, "groups": len(groups), "tokens": learner_tokens, "rows": int(batch.tokens.shape[0]),
                   "seconds": round(update_s, 2), "ran": bool(np.isfinite(update_s)),
-                  "tokens_per_s": round(learner_tokens / update_s, 2)},
+                  "tokens_per_s": round(learner_tokens / update_s, 2),
+                  "roofline": _update_fraction(config, batch, update_s, args, machine)},
+      "machine": machine,
       "memory": {**memory,
                  "params_mb": round(sum(x.nbytes for x in jax.tree.leaves(state.params))
                                     / 2**20, 1),

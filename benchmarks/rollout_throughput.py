@@ -1,7 +1,9 @@
 """Decode throughput of the rollout Engine against a generator without KV cache; one JSON line.
 
-  python benchmarks/rollout_throughput.py [--model tiny|small] [--slots 64] [--tokens 24]
+  python benchmarks/rollout_throughput.py [--model tiny|d128|small] [--slots 64] [--tokens 24]
                                           [--repeats 5] [--out PATH]
+
+(d128: the tiny preset at d_model 128, d_ff 512.)
 
 Both sides use the same model (random init, seed 0, max_seq_len = task.max_sequence_len), the
 same S prompts (DigitReverseTask(0).problem(i), i < S), the same sampling (temperature 1) and the
@@ -26,6 +28,10 @@ lets the host run ahead of the device: the most favourable setting for the naive
 
 Every variant is compiled and run once before timing; then `--repeats` rounds run each variant
 once, one after the other in the same process, and the median per variant is reported.
+
+Against the roofline (`benchmarks/roofline.py`, measured in the same run): an engine decode step
+(steps_per_call 1) as a fraction of max(FLOPs / matmul peak, bytes / bandwidth) of S tokens over
+the whole static cache, and a naive step as a fraction of the compute bound of its full forward.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from common import emit_json_line
+from roofline import Work, decode_step_work, forward_flops, fraction, measure, param_bytes
 
 from jaxrl_async.model import apply, get_config, init_model, split_model
 from jaxrl_async.rollout.engine import Engine
@@ -122,10 +129,14 @@ def naive_run(step, params, prompts, keys, tokens: int):
   return elapsed, drawn
 
 
+MODELS = {"tiny": ("tiny", {}), "small": ("small", {}),
+          "d128": ("tiny", {"d_model": 128, "d_ff": 512})}
+
+
 # ---- main -------------------------------------------------------------------------------------
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--model", default="tiny", choices=["tiny", "small"])
+  parser.add_argument("--model", default="tiny", choices=sorted(MODELS))
   parser.add_argument("--slots", type=int, default=64)
   parser.add_argument("--tokens", type=int, default=24, help="tokens drawn per prompt")
   parser.add_argument("--repeats", type=int, default=5)
@@ -139,7 +150,9 @@ def main() -> None:
   if args.slots < 1 or args.repeats < 1:
     raise ValueError("--slots and --repeats must be >= 1")
   load_start = os.getloadavg()
-  config = get_config(args.model, max_seq_len=task.max_sequence_len)
+  machine = measure()
+  preset, overrides = MODELS[args.model]
+  config = get_config(preset, max_seq_len=task.max_sequence_len, **overrides)
   graphdef, params = split_model(init_model(config, seed=0))
   num_params = int(sum(np.size(x) for x in jax.tree.leaves(params)))
   sampling = SamplingConfig(temperature=1.0)
@@ -171,6 +184,7 @@ def main() -> None:
   generated = {name: drawn[name].size for name in variants}  # tokens drawn per run
   rate = {name: generated[name] / statistics.median(times[name]) for name in variants}
   match = float(np.mean(drawn["engine_spc1"][:, :args.tokens] == drawn["naive"]))
+  naive_len = int(max(map(len, prompts)) + args.tokens)
 
   record = {
       "benchmark": "rollout_throughput",
@@ -191,10 +205,20 @@ def main() -> None:
                                   / (generated["engine_spc1"] / args.slots), 3),
       "naive_ms_per_step": round(1e3 * statistics.median(times["naive"]) / args.tokens, 3),
       "tokens_match_fraction": round(match, 4),
+      "machine": machine,
+      "engine_step_roofline": fraction(
+          decode_step_work(config, args.slots, engines[1].cache_length),
+          statistics.median(times["engine_spc1"]) / (generated["engine_spc1"] / args.slots),
+          machine["matmul_peak_gflops"], machine["bandwidth_gbs"]),
+      "naive_step_roofline": fraction(
+          Work(forward_flops(config, args.slots * naive_len, naive_len), param_bytes(config),
+               config.dtype),
+          statistics.median(times["naive"]) / args.tokens,
+          machine["matmul_peak_gflops"], machine["bandwidth_gbs"]),
       "repeats": args.repeats,
       "params": num_params,
       "max_seq_len": config.max_seq_len,
-      "naive_buffer_len": int(max(map(len, prompts)) + args.tokens),
+      "naive_buffer_len": naive_len,
       "jax_version": jax.__version__,
       "backend": jax.default_backend(),
       "device": str(jax.devices()[0].device_kind),

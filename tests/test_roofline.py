@@ -24,6 +24,11 @@ def test_hand_count_of_the_tiny_model():
   # keys and values of 2 layers, [3, 8, 2 kv heads, 16] float32 each.
   assert roofline.kv_cache_bytes(TINY, 3, 8) == 2 * 2 * 3 * 8 * 2 * 16 * 4
   assert roofline.param_bytes(get_config("tiny", param_dtype="bfloat16")) == 2 * TINY.num_params()
+  # untied: embedding and head are 16 x 64 each
+  assert roofline.block_param_bytes(TINY) == 4 * (TINY.num_params() - 2 * 16 * 64)
+  prefill = roofline.prefill_work(TINY, 8)
+  assert prefill.flops == roofline.forward_flops(TINY, 8, 8, with_head=False)
+  assert prefill.bytes == roofline.block_param_bytes(TINY) + roofline.kv_cache_bytes(TINY, 1, 8)
 
 
 def _dot_flops(jaxpr) -> int:

@@ -282,7 +282,7 @@ def chunked_logprobs_and_entropy(hidden: jax.Array, head: jax.Array, targets: ja
 
   Args:
     hidden: [B, T, D] final hidden states (after the final norm).
-    head: [D, V] the unembedding.
+    head: the unembedding, as `project` takes it ([D, V], or a tied embedding's [V, D]).
     targets: [B, T] int in [0, V).
     project: (hidden [B, c, D], head) -> float32 logits [B, c, V] (`model.project_logits`).
     temperature: > 0.

@@ -20,6 +20,7 @@ by segment ids, advantages gathered per token from the token's sample.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -34,7 +35,7 @@ from jaxrl_async.learner import advantages as advantages_lib
 from jaxrl_async.learner import losses, proximal
 from jaxrl_async.learner.batching import TrainBatch
 from jaxrl_async.model import apply
-from jaxrl_async.model.decoder import project_logits, unembedding
+from jaxrl_async.model.decoder import head_of, project_logits
 
 PROXIMAL_SOURCES = ("recompute", "loglinear", "rollout")
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -169,8 +170,10 @@ def sequence_logprobs_and_entropy(graphdef, params, tokens, temperature: float, 
   segment_ids = None if segment_ids is None else segment_ids[:, :-1]
   hidden, _ = apply(graphdef, params, tokens[:, :-1], positions, segment_ids=segment_ids,
                     return_hidden=True)
+  head, vocab_major = head_of(params)
+  project = functools.partial(project_logits, vocab_major=vocab_major)
   logp, entropy = losses.chunked_logprobs_and_entropy(
-      hidden, unembedding(params), tokens[:, 1:], project_logits, temperature, chunk_size)
+      hidden, head, tokens[:, 1:], project, temperature, chunk_size)
   return jnp.pad(logp, ((0, 0), (1, 0))), entropy
 
 

@@ -17,8 +17,11 @@ RoPE, and the tied head is the embedding's transpose.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from jaxrl_async.model.config import (
@@ -27,6 +30,17 @@ from jaxrl_async.model.config import (
   RopeScaling,
   YarnRopeScaling,
 )
+
+
+def dense(spec: str, x: jax.Array, weight: jax.Array) -> jax.Array:
+  """einsum(spec, x, weight) in x's dtype, accumulated in float32.
+
+  Asking for a float32 result keeps low-precision operands as they are: XLA:CPU runs a bf16 x bf16
+  -> f32 dot natively, while a bf16 result makes it upcast the whole weight matrix on every call.
+  Rounding the float32 sum to x's dtype is what a bf16 dot does on every backend.
+  """
+  out = jnp.einsum(spec, x, weight.astype(x.dtype), preferred_element_type=jnp.float32)
+  return out.astype(x.dtype)
 
 
 def _param(rngs: nnx.Rngs, init, shape, axes, dtype=jnp.float32) -> nnx.Param:
@@ -93,6 +107,51 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float,
   return out.astype(x.dtype)
 
 
+def project(x: jax.Array, weight: jax.Array, contract: int = 1) -> jax.Array:
+  """x [..., *weight.shape[:contract]] times weight, over those axes -> [..., *weight.shape[contract:]],
+  as one 2-D matmul (`dense`'s dtypes).
+
+  Leading axes are flattened first: with them kept as einsum batch axes, the backward pass of
+  XLA:CPU transposes the cotangents through slow strided loop fusions (twice the MLP's time).
+  """
+  in_shape, out_shape = weight.shape[:contract], weight.shape[contract:]
+  assert x.shape[x.ndim - contract:] == in_shape, (x.shape, weight.shape)
+  lead = x.shape[:x.ndim - contract]
+  flat = dense("nd,df->nf", x.reshape(-1, math.prod(in_shape)),
+               weight.reshape(math.prod(in_shape), math.prod(out_shape)))
+  return flat.reshape(*lead, *out_shape)
+
+
+def embed_tokens(embed: jax.Array, tokens: jax.Array) -> jax.Array:
+  """embed [V, D] rows of tokens [B, T] -> [B, T, D] (NaN rows for ids outside [0, V)).
+
+  16-bit floats are gathered as their uint16 bits (the same values): XLA:CPU otherwise converts
+  the whole embedding to float32 first.
+  """
+  if jnp.issubdtype(embed.dtype, jnp.floating) and embed.dtype.itemsize == 2:
+    bits = jax.lax.bitcast_convert_type
+    nan_bits = int(np.asarray(np.nan, embed.dtype).view(np.uint16))
+    rows = jnp.take(bits(embed, jnp.uint16), tokens, axis=0, mode="fill", fill_value=nan_bits)
+    return bits(rows, embed.dtype)
+  return jnp.take(embed, tokens, axis=0)
+
+
+def write_cache(cache: jax.Array, rows: jax.Array, positions: jax.Array,
+                new: jax.Array) -> jax.Array:
+  """cache [B, S, ...] with new [B, T, ...] written at (rows [B, 1], positions [B, T]); writes
+  past the cache end (padding of an over-long bucket) are dropped.
+
+  16-bit floats are written as their uint16 bits (the same values): XLA:CPU has no bf16
+  scatter and would convert the whole cache to float32 and back at every write.
+  """
+  new = new.astype(cache.dtype)
+  if jnp.issubdtype(cache.dtype, jnp.floating) and cache.dtype.itemsize == 2:
+    bits = jax.lax.bitcast_convert_type
+    written = bits(cache, jnp.uint16).at[rows, positions].set(bits(new, jnp.uint16), mode="drop")
+    return bits(written, cache.dtype)
+  return cache.at[rows, positions].set(new, mode="drop")
+
+
 class Attention(nnx.Module):
   """Grouped-query attention reading and writing an explicit per-layer cache."""
 
@@ -120,9 +179,9 @@ class Attention(nnx.Module):
     segment_ids: [B, T] or None (no cache only): a query sees keys of its own segment only."""
     cfg = self.config
     dtype = x.dtype
-    q = jnp.einsum("btd,dhk->bthk", x, self.q[...].astype(dtype))
-    k = jnp.einsum("btd,dhk->bthk", x, self.k[...].astype(dtype))
-    v = jnp.einsum("btd,dhk->bthk", x, self.v[...].astype(dtype))
+    q = project(x, self.q[...])
+    k = project(x, self.k[...])
+    v = project(x, self.v[...])
     if cfg.qkv_bias:
       q, k, v = (q + self.q_bias[...].astype(dtype), k + self.k_bias[...].astype(dtype),
                  v + self.v_bias[...].astype(dtype))
@@ -137,25 +196,24 @@ class Attention(nnx.Module):
     else:
       cache_k, cache_v = cache_kv
       rows = jnp.arange(x.shape[0])[:, None]
-      # Writes past the cache end (padding of an over-long bucket) are dropped.
-      keys = cache_k.at[rows, positions].set(k.astype(cache_k.dtype), mode="drop")
-      values = cache_v.at[rows, positions].set(v.astype(cache_v.dtype), mode="drop")
+      keys = write_cache(cache_k, rows, positions, k)
+      values = write_cache(cache_v, rows, positions, v)
       key_positions = jnp.broadcast_to(jnp.arange(keys.shape[1]), (x.shape[0], keys.shape[1]))
       new_cache = (keys, values)
 
     batch, length, heads, head_dim = q.shape
     groups = heads // cfg.n_kv_heads
     q = q.reshape(batch, length, cfg.n_kv_heads, groups, head_dim)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, keys.astype(dtype)).astype(jnp.float32)
+    scores = dense("btkgd,bskd->bkgts", q, keys).astype(jnp.float32)
     scores = scores * (head_dim ** -0.5)
     visible = key_positions[:, None, None, None, :] <= positions[:, None, None, :, None]
     if segment_ids is not None:
       visible &= segment_ids[:, None, None, None, :] == segment_ids[:, None, None, :, None]
     scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, values.astype(dtype))
+    out = dense("bkgts,bskd->btkgd", probs, values)
     out = out.reshape(batch, length, heads, head_dim)
-    return jnp.einsum("bthk,hkd->btd", out, self.o[...].astype(dtype)), new_cache
+    return project(out, self.o[...], contract=2), new_cache
 
 
 class MLP(nnx.Module):
@@ -171,9 +229,8 @@ class MLP(nnx.Module):
                        pd)
 
   def __call__(self, x):
-    dtype = x.dtype
-    hidden = jax.nn.silu(x @ self.gate[...].astype(dtype)) * (x @ self.up[...].astype(dtype))
-    return hidden @ self.down[...].astype(dtype)
+    hidden = jax.nn.silu(project(x, self.gate[...])) * project(x, self.up[...])
+    return project(hidden, self.down[...])
 
 
 class Block(nnx.Module):
@@ -222,7 +279,7 @@ class Decoder(nnx.Module):
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     dtype = jnp.dtype(self.config.dtype)
-    x = jnp.take(self.embed[...], tokens, axis=0).astype(dtype)
+    x = embed_tokens(self.embed[...], tokens).astype(dtype)
     new_keys, new_values = [], []
     if cache is None and self.config.remat:
       x = _remat_blocks(list(self.blocks), x, positions, segment_ids)
@@ -237,27 +294,35 @@ class Decoder(nnx.Module):
     new_cache = None if cache is None else KVCache(tuple(new_keys), tuple(new_values))
     if return_hidden:
       return x, new_cache
-    head = self.embed[...].T if self.config.tie_embeddings else self.lm_head[...]
-    return project_logits(x, head), new_cache
+    if self.config.tie_embeddings:
+      return project_logits(x, self.embed[...], vocab_major=True), new_cache
+    return project_logits(x, self.lm_head[...]), new_cache
 
 
-def project_logits(hidden: jax.Array, head: jax.Array) -> jax.Array:
-  """The unembedding: hidden [..., D] (after the final norm) @ head [D, V] -> float32 logits.
+def project_logits(hidden: jax.Array, head: jax.Array, vocab_major: bool = False) -> jax.Array:
+  """The unembedding: hidden [..., D] (after the final norm) @ head [D, V] -> float32 logits;
+  with `vocab_major`, head is [V, D] (a tied embedding as stored).
 
   The decoder's own head, so that logits computed from returned hidden states (e.g. in chunks)
-  equal the decoder's.
+  equal the decoder's. A tied embedding is contracted as it is stored: its transpose would be
+  materialised (XLA:CPU copies the whole [V, D] matrix on every call).
   """
+  spec = "...d,vd->...v" if vocab_major else "...d,dv->...v"
   if hidden.dtype == jnp.float32:
-    return jnp.einsum("...d,dv->...v", hidden, head.astype(jnp.float32))
+    return jnp.einsum(spec, hidden, head.astype(jnp.float32))
   # no float32 copy of the (large) head; accumulate in float32
-  return jnp.einsum("...d,dv->...v", hidden, head.astype(hidden.dtype),
-                    preferred_element_type=jnp.float32)
+  return jnp.einsum(spec, hidden, head.astype(hidden.dtype), preferred_element_type=jnp.float32)
 
 
 def unembedding(params) -> jax.Array:
   """The head [D, V] of a params dict (`split_model`): lm_head, or the tied embedding's
-  transpose."""
+  transpose (`head_of` gives it as stored, for `project_logits`)."""
   return params["lm_head"] if "lm_head" in params else params["embed"].T
+
+
+def head_of(params) -> tuple[jax.Array, bool]:
+  """(head, vocab_major) for `project_logits`: lm_head [D, V], or the tied embedding [V, D]."""
+  return (params["lm_head"], False) if "lm_head" in params else (params["embed"], True)
 
 
 def _remat_blocks(blocks: list[Block], x, positions, segment_ids):

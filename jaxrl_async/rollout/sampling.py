@@ -32,6 +32,14 @@ class SamplingConfig:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
+# From this vocabulary size up, tokens are drawn by inverting the CDF (one random number per
+# draw) instead of Gumbel-max (one per vocabulary entry, which at 150k entries costs more than a
+# small model's forward pass on a CPU). Both draw from the same distribution; below the
+# threshold Gumbel-max costs little and keeps the token streams of small-vocabulary runs (the
+# built-in task, the test models) as they were, so recorded runs replay token for token.
+INVERSE_CDF_MIN_VOCAB = 32_768
+
+
 def sample_token(logits: jax.Array, key: jax.Array, config: SamplingConfig):
   """logits: [V] float32, key: a PRNG key -> (token int32 [], behaviour logprob float32 [])."""
   assert logits.ndim == 1, logits.shape
@@ -51,5 +59,39 @@ def sample_token(logits: jax.Array, key: jax.Array, config: SamplingConfig):
     keep_sorted = (jnp.cumsum(sorted_probs) - sorted_probs) < config.top_p
     keep = jnp.zeros_like(keep_sorted).at[order].set(keep_sorted)
     masked = jnp.where(keep, masked, -jnp.inf)
-  token = jax.random.categorical(key, masked).astype(jnp.int32)
+  if masked.shape[0] >= INVERSE_CDF_MIN_VOCAB:
+    token = inverse_cdf_draw(key, masked)
+  else:
+    token = jax.random.categorical(key, masked).astype(jnp.int32)
   return token, logprobs[token]
+
+
+def inverse_cdf_draw(key: jax.Array, logits: jax.Array, block: int = 1024) -> jax.Array:
+  """A token drawn from softmax(logits) [V] (-inf: never drawn) by inverting its CDF.
+
+  One uniform per draw: the cumulative mass is found over blocks of `block` tokens, then inside
+  the chosen block. Gumbel-max (`jax.random.categorical`) needs V random numbers per draw,
+  which over a 150k vocabulary costs more than the rest of a small model's decode step.
+  Only tokens of positive mass can come out, even where float rounding puts u at the very end.
+  """
+  vocab = logits.shape[0]
+  block = min(block, vocab)
+  num_blocks = -(-vocab // block)
+  weights = jnp.exp(logits - jnp.max(logits))
+  weights = jnp.pad(weights, (0, num_blocks * block - vocab)).reshape(num_blocks, block)
+  block_mass = weights.sum(axis=1)
+  block_cdf = jnp.cumsum(block_mass)
+  u = jax.random.uniform(key, (), jnp.float32) * block_cdf[-1]
+  chosen = _first_or_last(block_cdf > u, block_mass > 0)
+  inner = weights[chosen]
+  inner_cdf = jnp.cumsum(inner)
+  rest = u - (block_cdf[chosen] - block_mass[chosen])
+  index = _first_or_last(inner_cdf > rest, inner > 0)
+  return (chosen * block + index).astype(jnp.int32)
+
+
+def _first_or_last(past: jax.Array, positive: jax.Array) -> jax.Array:
+  """The first index that is `past` and `positive`; else the last `positive` one."""
+  hits = past & positive
+  last_positive = positive.shape[0] - 1 - jnp.argmax(positive[::-1])
+  return jnp.where(hits.any(), jnp.argmax(hits), last_positive)

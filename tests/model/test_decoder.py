@@ -16,7 +16,7 @@ from jaxrl_async.model import (
   param_logical_axes,
   split_model,
 )
-from jaxrl_async.model.decoder import rotary_embedding
+from jaxrl_async.model.decoder import embed_tokens, rotary_embedding, write_cache
 
 CONFIG = get_config("tiny")
 
@@ -275,3 +275,24 @@ def test_vmap_over_rows_agrees_with_the_batched_forward(tiny):
   batched, _ = _jit_apply(graphdef)(params, tokens)
   mapped = jax.jit(jax.vmap(lambda row: apply(graphdef, params, row[None])[0][0]))(tokens)
   np.testing.assert_allclose(np.asarray(mapped), np.asarray(batched), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_gathers_and_cache_writes_move_the_same_values_as_plain_indexing(dtype):
+  """16-bit rows go through their uint16 bits: the same values as jnp.take and .at[].set, NaN
+  rows for out-of-range ids, writes past the cache end dropped."""
+  rng = np.random.default_rng(0)
+  embed = jnp.asarray(rng.normal(size=(11, 6)), dtype)
+  tokens = jnp.asarray([[0, 3, 10], [11, 40, -1]])  # 11 and 40 are past the end; -1 the last
+  got = np.asarray(embed_tokens(embed, tokens).astype(jnp.float32))
+  want = np.asarray(jnp.take(embed, tokens, axis=0).astype(jnp.float32))
+  np.testing.assert_array_equal(got, want)
+  assert np.isnan(got[1, 0]).all() and np.isnan(got[1, 1]).all()
+  cache = jnp.asarray(rng.normal(size=(2, 5, 3)), dtype)
+  new = jnp.asarray(rng.normal(size=(2, 2, 3)), jnp.float32)  # cast to the cache's dtype
+  rows, positions = jnp.asarray([[0], [1]]), jnp.asarray([[1, 2], [4, 5]])  # 5: past the end
+  got = write_cache(cache, rows, positions, new)
+  want = cache.at[rows, positions].set(new.astype(dtype), mode="drop")
+  assert got.dtype == cache.dtype
+  np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
+                                np.asarray(want.astype(jnp.float32)))

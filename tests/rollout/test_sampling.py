@@ -7,7 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_async.rollout.sampling import SamplingConfig, sample_token
+from jaxrl_async.rollout.sampling import (
+  INVERSE_CDF_MIN_VOCAB,
+  SamplingConfig,
+  inverse_cdf_draw,
+  sample_token,
+)
 
 LOGITS = jnp.asarray([1.0, 2.5, -0.5, 0.3, 2.0, -1.0, 0.0, 1.2], jnp.float32)
 
@@ -110,3 +115,39 @@ def test_bad_config_names_the_field(kwargs, match):
 def test_logits_must_be_a_vector():
   with pytest.raises(AssertionError):
     sample_token(jnp.zeros((2, 4)), jax.random.PRNGKey(0), SamplingConfig())
+
+
+# ---- the inverse-CDF draw of large vocabularies -----------------------------------------------
+@pytest.mark.parametrize("vocab, block", [(8, 1024), (37, 4), (40, 8)])
+def test_inverse_cdf_frequencies_match_softmax(vocab, block):
+  num = 4000
+  logits = jnp.asarray(np.random.default_rng(vocab).normal(size=vocab) * 1.5, jnp.float32)
+  keys = jax.random.split(jax.random.PRNGKey(vocab), num)
+  draw = jax.jit(jax.vmap(functools.partial(inverse_cdf_draw, block=block), in_axes=(0, None)))
+  tokens = np.asarray(draw(keys, logits))
+  expected = np.exp(_log_softmax(logits))
+  counts = np.bincount(tokens, minlength=vocab) / num
+  tolerance = 4 * np.sqrt(expected * (1 - expected) / num) + 1e-3
+  assert np.all(np.abs(counts - expected) <= tolerance), (counts, expected)
+
+
+def test_inverse_cdf_never_draws_masked_or_padding():
+  logits = jnp.full((37,), -jnp.inf).at[jnp.asarray([0, 5, 36])].set(jnp.asarray([0.0, 1.0, 2.0]))
+  keys = jax.random.split(jax.random.PRNGKey(0), 2000)
+  tokens = np.asarray(jax.vmap(lambda k: inverse_cdf_draw(k, logits, block=8))(keys))
+  assert set(tokens.tolist()) == {0, 5, 36}
+  one = jnp.full((37,), -jnp.inf).at[36].set(0.0)  # the last token, in the padded block
+  assert set(np.asarray(jax.vmap(lambda k: inverse_cdf_draw(k, one, block=8))(keys)).tolist()) == {36}
+
+
+def test_large_vocabulary_uses_inverse_cdf_with_exact_logprobs():
+  vocab = INVERSE_CDF_MIN_VOCAB + 3
+  logits = jnp.asarray(np.random.default_rng(0).normal(size=vocab) * 4, jnp.float32)
+  keys = jax.random.split(jax.random.PRNGKey(1), 64)
+  config = SamplingConfig(temperature=0.7)
+  tokens, logprobs = jax.jit(jax.vmap(functools.partial(sample_token, config=config),
+                                      in_axes=(None, 0)))(logits, keys)
+  expected = jax.vmap(lambda k: inverse_cdf_draw(k, logits / 0.7))(keys)
+  np.testing.assert_array_equal(tokens, expected)
+  np.testing.assert_allclose(logprobs, _log_softmax(np.asarray(logits) / 0.7)[np.asarray(tokens)],
+                             atol=1e-4)
