@@ -53,7 +53,7 @@ class RunConfig:
   # -- adaptive staleness (buffer/staleness_control.py): 'fixed' keeps s; 'adaptive' moves it
   # within [staleness_min, staleness_max] by staleness_step once per staleness_window_versions
   # versions, to keep the learner's idle ratio under idle_target while the stale ratio and the
-  # KL (algo/kl) stay under their budgets (docs/knobs.md).
+  # KL (algo/behaviour_kl) stay under their budgets (docs/knobs.md).
   staleness_controller: str = "fixed"
   staleness_window_versions: int = 10
   staleness_step: float = 0.25

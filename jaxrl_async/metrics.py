@@ -3,7 +3,7 @@
 Names (docs/metrics.md): system/samples_per_s, system/tokens_per_s, system/steps_per_hour,
 <role>/busy_s, <role>/idle_ratio (over the whole run); queue/...; sync/latency_s, sync/bytes,
 sync/interval_steps; algo/version_gap_mean|max, algo/stale_ratio, algo/partial_ratio,
-algo/max_partial_span, algo/kl, algo/clipfrac, algo/entropy, algo/is_weight_mean|max,
+algo/max_partial_span, algo/kl, algo/behaviour_kl, algo/clipfrac, algo/entropy, algo/is_weight_mean|max,
 algo/masked_fraction, algo/old_logprob_source; result/reward_mean, result/accuracy.
 `learner_step` (updates) and `policy_version` (syncs) are separate axes on every record.
 

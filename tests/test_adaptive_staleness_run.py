@@ -38,6 +38,8 @@ def check_adaptive_run(backend: str, run_dir) -> None:
   summary, records = run_mode(config, run_dir)
   assert [r["staleness/threshold"] for r in records] == [0.5, 1.0, 1.5, 1.5]
   assert [r["staleness/change"] for r in records] == [0.5, 0.5, 0.0, 0.0]
+  # The KL to the behaviour policy is measured on every update (>= 0: the k3 estimate).
+  assert all(0.0 <= r["staleness/window_kl"] < 100.0 for r in records), records
   assert all("idle_ratio" in r["staleness/reason"] for r in records[:2])
   assert "at staleness_max 1.5" in records[2]["staleness/reason"]
   assert summary["staleness/threshold"] == 1.5

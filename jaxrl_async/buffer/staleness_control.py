@@ -13,9 +13,9 @@ The window's metrics, from the version records (docs/knobs.md):
                time excluded);
   stale_ratio  the mean over the window's versions of `algo/stale_ratio` (the share of
                consumed tokens with version gap >= 1);
-  kl           the mean of `algo/kl` (the update's KL estimate against its anchor: the
-               behaviour policy with `use_rollout_log_probs` or `proximal_logprob='rollout'`, the
-               proximal policy otherwise); NaN where no version measured it (the simulator).
+  kl           the mean of `algo/behaviour_kl` (the k3 estimate of KL(behaviour || current)
+               on the consumed tokens: how far the trained weights are from the ones that drew
+               them); NaN where no version measured it (the simulator).
 
 The rule (`decide`), with h = `staleness_hysteresis`:
   1. over budget: stale_ratio > stale_ratio_budget or kl > kl_budget -> s - step (not below
@@ -69,7 +69,7 @@ class VersionSample(NamedTuple):
   wall_s: float  # seconds the version took on the run's clock
   learner_busy_s: float  # of which the learner was busy
   stale_ratio: float  # algo/stale_ratio
-  kl: float  # algo/kl, NaN where not measured
+  kl: float  # algo/behaviour_kl, NaN where not measured
 
 
 class WindowMetrics(NamedTuple):
@@ -181,13 +181,13 @@ def observe(control: StalenessControl, state: StalenessState,
 def on_record(control: StalenessControl, state: StalenessState,
               record: Mapping[str, Any]) -> tuple[StalenessState, dict, Decision | None]:
   """One version record (cumulative `system/wall_s` and `learner/busy_s`, `algo/stale_ratio`,
-  `algo/kl`) -> (state, the record's `staleness/` fields, the window's decision or None).
+  `algo/behaviour_kl`) -> (state, the record's `staleness/` fields, the window's decision or None).
   `staleness/threshold` is the s of the admission window the version's weights opened; a
   window's last version adds the decision (`change`, `reason`) and the window's metrics."""
   wall, busy = float(record["system/wall_s"]), float(record["learner/busy_s"])
   sample = VersionSample(wall - state.mark[0], busy - state.mark[1],
                          _number(record.get("algo/stale_ratio"), 0.0),
-                         _number(record.get("algo/kl"), math.nan))
+                         _number(record.get("algo/behaviour_kl"), math.nan))
   fields: dict[str, Any] = {"staleness/threshold": state.threshold}
   state, decision = observe(control, state._replace(mark=(wall, busy)), sample)
   if decision is not None:

@@ -203,6 +203,19 @@ def _loss_fn(params, graphdef, config: LearnerConfig, batch: TrainBatch, anchor_
   return logp, entropy, anchor, behaviour_arg, mask
 
 
+def behaviour_kl(logp, batch: TrainBatch, mask):
+  """KL(behaviour || current) on the response tokens, as a (sum, count) pair: the k3 estimate
+  (exp(d) - d - 1 with d = current - behaviour logprob, >= 0, unbiased on tokens the behaviour
+  policy sampled), d clipped as the 'low_var_kl' penalty clips it. How far the weights an
+  update trains have moved from the ones that drew its tokens, whatever the loss's anchor."""
+  valid = mask > 0
+  kl = jnp.maximum(losses.kl_penalty(  # >= 0, also where float rounding of a tiny d is not
+      jnp.where(valid, batch.behaviour_logprobs[:, 1:], 0.0),
+      jnp.where(valid, jax.lax.stop_gradient(logp), 0.0), "low_var_kl"), 0.0)
+  return (jnp.sum(jnp.where(valid, kl, 0.0)).astype(jnp.float32),
+          jnp.sum(valid).astype(jnp.float32))
+
+
 def make_update_fn(graphdef, config: LearnerConfig, group_size: int, state_sh):
   """Build the jitted `update(state, batch, anchor_logp, proximal_version, current_version,
   ref_logp)`.
@@ -232,7 +245,7 @@ def make_update_fn(graphdef, config: LearnerConfig, group_size: int, state_sh):
           clip_high=config.clip_high, dual_clip=config.dual_clip, is_cap=config.is_cap,
           is_cap_mode=config.is_cap_mode, agg_mode=config.agg_mode,
           sequence_ids=sample_of_token, num_sequences=batch.rewards.shape[0])
-      return total, metrics
+      return total, {**metrics, "behaviour_kl": behaviour_kl(logp, batch, mask)}
 
     (total, metrics), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
     updates, opt_state = state.tx.update(grads, state.opt_state, state.params)

@@ -123,9 +123,9 @@ def test_window_metrics_sum_busy_and_wall_and_average_the_ratios():
 def test_on_record_takes_deltas_of_the_cumulative_timers_and_closes_windows():
   state = sc.init_state(0.5, mark=(10.0, 4.0))
   records = [{"system/wall_s": 14.0, "learner/busy_s": 5.0, "algo/stale_ratio": 0.2,
-              "algo/kl": 0.0},
+              "algo/behaviour_kl": 0.0},
              {"system/wall_s": 18.0, "learner/busy_s": 6.0, "algo/stale_ratio": 0.0,
-              "algo/kl": 0.0}]
+              "algo/behaviour_kl": 0.0}]
   state, fields, decision = sc.on_record(ADAPTIVE, state, records[0])
   assert decision is None and fields == {"staleness/threshold": 0.5}
   assert state.window == (VersionSample(4.0, 1.0, 0.2, 0.0),)

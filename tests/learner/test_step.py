@@ -142,9 +142,27 @@ def test_update_compiles_once(single_run, sharded_run):
   assert sharded_run[4] == 1
 
 
+def test_behaviour_kl_is_the_k3_estimate_on_response_tokens():
+  """KL(behaviour || current): exp(d) - d - 1 with d = current - behaviour, response tokens only;
+  0 where the weights that drew the tokens are the ones trained."""
+  class Batch:
+    behaviour_logprobs = jnp.asarray([[0.0, -1.0, -2.0, -0.5], [0.0, -0.3, -9.0, -1.0]])
+
+  logp = jnp.asarray([[-1.2, -2.5, -0.5], [-0.3, -1.0, -4.0]])  # positions 1..3
+  mask = jnp.asarray([[1, 1, 0], [1, 0, 1]])
+  total, count = step_lib.behaviour_kl(logp, Batch, mask)
+  d = np.asarray(logp) - np.asarray(Batch.behaviour_logprobs)[:, 1:]
+  k3 = np.exp(d) - d - 1.0
+  assert float(count) == 4
+  assert float(total) == pytest.approx(float(np.sum(k3 * np.asarray(mask))), rel=1e-5)
+  same, _ = step_lib.behaviour_kl(Batch.behaviour_logprobs[:, 1:], Batch, mask)
+  assert float(same) == 0.0
+
+
 def test_update_metrics(single_run):
   _, metrics, _, _, _ = single_run
-  expected = {"loss", "grad_norm", "advantage_abs_mean", "pg_loss", "clipfrac", "entropy"}
+  expected = {"loss", "grad_norm", "advantage_abs_mean", "pg_loss", "clipfrac", "entropy",
+              "behaviour_kl"}
   assert expected <= set(metrics[0])
   for m in metrics:
     assert np.isfinite(float(m["loss"])) and float(m["grad_norm"]) > 0
