@@ -41,17 +41,18 @@ _ROUND = 9  # decimals s is rounded to, so that steps of 0.1 do not drift
 
 @dataclasses.dataclass(frozen=True)
 class StalenessControl:
-  """The controller's knobs (RunConfig's `staleness_*`, `idle_target`, `*_budget`)."""
+  """The controller's knobs: RunConfig's `staleness_*`, `idle_target` and `*_budget` (their
+  defaults and checks live there; `control_of` reads them)."""
 
-  controller: str = "fixed"
-  window_versions: int = 10
-  step: float = 0.25
-  minimum: float = 0.0
-  maximum: float = 2.0
-  idle_target: float = 0.1
-  stale_ratio_budget: float = 0.5
-  kl_budget: float = 0.02
-  hysteresis: float = 0.2
+  controller: str
+  window_versions: int
+  step: float
+  minimum: float
+  maximum: float
+  idle_target: float
+  stale_ratio_budget: float
+  kl_budget: float
+  hysteresis: float
 
 
 def control_of(config) -> StalenessControl:

@@ -74,7 +74,7 @@ def test_a_breach_is_forgotten_after_the_memory():
 @pytest.mark.parametrize("metrics", [CALM, IDLE, WindowMetrics(1.0, 1.0, 5.0),
                                      WindowMetrics(0.0, 0.0, NAN)])
 def test_fixed_never_changes(metrics):
-  fixed = StalenessControl(controller="fixed", window_versions=1)
+  fixed = dataclasses.replace(ADAPTIVE, controller="fixed", window_versions=1)
   assert sc.decide(fixed, 0.5, metrics) == Decision(0.5, 0.0, "fixed")
   state = sc.init_state(0.5)
   for _ in range(5):
@@ -83,7 +83,7 @@ def test_fixed_never_changes(metrics):
 
 
 def test_steps_do_not_drift():
-  control = StalenessControl(controller="adaptive", window_versions=1, step=0.1, maximum=1.0)
+  control = dataclasses.replace(ADAPTIVE, window_versions=1, step=0.1)
   state = sc.init_state(0.0)
   for _ in range(12):
     state, _ = sc.observe(control, state, VersionSample(1.0, 0.0, 0.0, 0.0))
