@@ -251,6 +251,21 @@ def _roles_processes(batches: int, bindings, one_process: dict) -> dict:
           "speedup_over_one_process": in_one / both}
 
 
+def ceiling(backend: str, batches: int, bindings=()) -> dict:
+  """Core overlap's ceiling of async samples/s over sync's for `backend`, from the default run's
+  learner and rollout loops (`bindings` on top): 'threads' runs them in two threads of one
+  process (`roles`); 'processes' and 'ray' (rollout servers in processes of their own) in the
+  processes backend's layout (`roles_processes`), against both loops in one process."""
+  roles = _roles(batches, bindings)
+  if backend == "threads":
+    return {"kind": "core_overlap", "layout": "threads", "speedup": roles["speedup"],
+            "roles": roles}
+  layout = _roles_processes(batches, bindings, roles)
+  return {"kind": "core_overlap", "layout": "processes",
+          "speedup": layout["speedup_over_one_process"], "roles": roles,
+          "roles_processes": layout}
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--matrix", type=int, default=256, help="n of the n x n matmul chain")

@@ -14,6 +14,12 @@ N rounds, each round every mode once in turn (sync, async, sync, async, ...), an
 median of each figure over the rounds with the spread of samples/s and of its ratio to the
 same round's sync run (`*_min`, `*_max`); every round's figures are kept in <out>.json.
 
+`--ceiling_batches N` (default 100; 0 skips it) also measures, in the same invocation, what
+running the two roles at once can gain on this machine with this workload
+(`concurrency_ceiling.ceiling`: the default run's learner and rollout loops, alone and together,
+laid out as `--backend` lays out a run) and gives each run's ratio to sync as a fraction of that
+ceiling (`fraction_of_ceiling`).
+
 Compilation is kept out of the comparison: XLA's persistent compilation cache is on
 (`jaxrl_async.compilation_cache`), and every mode first runs `--warmup_samples` samples
 (discarded), so the measured runs load their executables instead of compiling them (each run
@@ -35,6 +41,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gin
+from benchmarks import concurrency_ceiling
 from jaxrl_async import compilation_cache, report
 from jaxrl_async import config as config_lib
 from jaxrl_async.metrics import read_jsonl
@@ -171,11 +178,16 @@ def main(argv=None) -> int:
                            "with more than one, each figure is the median over the rounds "
                            "(ratios: the median of each round's ratio) and every round is "
                            "kept under 'rounds'")
+  parser.add_argument("--ceiling_batches", type=int, default=100,
+                      help="batches per role loop for the ceiling measured after the runs "
+                           "(0: not measured)")
   parser.add_argument("--out", default=os.path.join(
       "benchmarks", "results", f"modes-{time.strftime('%Y%m%d-%H%M%S')}"))
   args = parser.parse_args(argv)
   if args.repeats < 1:
     parser.error(f"--repeats must be >= 1, got {args.repeats}")
+  if args.ceiling_batches < 0:
+    parser.error(f"--ceiling_batches must be >= 0, got {args.ceiling_batches}")
   os.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   bindings = [f"RunConfig.total_samples = {args.total_samples}", f"RunConfig.seed = {args.seed}",
               f"RunConfig.eval_every_versions = {args.eval_every_versions}",
@@ -222,12 +234,20 @@ def measure(args, runs: dict, bindings: list[str]) -> int:
   per_round = [mode_rows(results) for results in rounds]
   table = per_round[0] if args.repeats == 1 else {
       name: median_row([rows[name] for rows in per_round]) for name in per_round[0]}
+  ceiling = None
+  if args.ceiling_batches:
+    print("measuring the ceiling ...", file=sys.stderr, flush=True)
+    ceiling = concurrency_ceiling.ceiling(args.backend, args.ceiling_batches, args.gin_bindings)
+    for row in table.values():
+      if row.get("samples_per_s_vs_sync") is not None:
+        row["fraction_of_ceiling"] = row["samples_per_s_vs_sync"] / ceiling["speedup"]
   line = {"benchmark": "modes", "backend": args.backend,
           "total_samples": args.total_samples, "seed": args.seed,
           "warmup_samples": args.warmup_samples, "repeats": args.repeats,
           "variants": {name: {"mode": mode, "bindings": extra}
                        for name, (mode, extra) in runs.items() if extra},
-          "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "modes": table}
+          "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "modes": table,
+          **({} if ceiling is None else {"ceiling": ceiling})}
   os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
   with open(args.out + ".json", "w", encoding="utf-8") as f:
     json.dump({**line, "curves": {m: r["curve"] for m, r in rounds[0].items()},

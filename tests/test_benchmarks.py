@@ -52,7 +52,7 @@ def test_modes_runs_each_mode_and_compares_with_sync(tmp_path, monkeypatch):
   assert modes.main(["--total_samples", "32", "--modes", "sync,async_partial",
                      "--variant", variant, "--repeats", "2", "--recipes", "verl_defaults",
                      "--warmup_samples", "32", "--eval_every_versions", "2", "--out", str(out),
-                     *_bindings()]) == 0
+                     "--ceiling_batches", "4", *_bindings()]) == 0
   with open(f"{out}.json", encoding="utf-8") as f:
     result = json.load(f)
   assert result["repeats"] == 2 and len(result["rounds"]) == 2
@@ -73,6 +73,13 @@ def test_modes_runs_each_mode_and_compares_with_sync(tmp_path, monkeypatch):
   assert result["variants"] == {"async_partial_t2": {
       "mode": "async_partial", "bindings": ["RunConfig.trigger_parameter_sync_step = 2"]}}
   assert result["modes"]["sync"]["samples_per_s_vs_sync"] == 1.0
+  # The ceiling, measured in the same invocation, and every run's ratio as a fraction of it.
+  ceiling = result["ceiling"]
+  assert ceiling["kind"] == "core_overlap" and ceiling["layout"] == "threads"
+  assert ceiling["speedup"] == ceiling["roles"]["speedup"] > 0
+  for row in result["modes"].values():
+    assert row["fraction_of_ceiling"] == pytest.approx(
+        row["samples_per_s_vs_sync"] / ceiling["speedup"])
   for row in result["modes"].values():
     assert 0.0 <= row["final_accuracy"] <= 1.0 and row["samples_per_s"] > 0
   assert result["modes"]["sync"]["version_gap_max"] == 0
@@ -85,6 +92,8 @@ def test_modes_runs_each_mode_and_compares_with_sync(tmp_path, monkeypatch):
     modes.main(["--variant", "x=no_such_mode:RunConfig.seed = 1", *_bindings()])
   with pytest.raises(SystemExit):
     modes.main(["--repeats", "0", *_bindings()])
+  with pytest.raises(SystemExit):
+    modes.main(["--ceiling_batches", "-1", *_bindings()])
   assert (tmp_path / "modes-report" / "timeline.png").is_file()
 
 
