@@ -201,7 +201,7 @@ class ControllerBuffer(abc.ABC):
   def set_staleness_threshold(self, staleness_threshold: float,
                               from_version: int) -> dict:
     """Admission budget floor((1 + s) N) for the windows opened at rollout versions >=
-    `from_version` (adaptive staleness; `buffer.admission.StalenessBudget`)."""
+    `from_version` (adaptive staleness; `buffer.staleness_budget.StalenessBudget`)."""
 
 
 ControllerBuffer.register(VersionedBuffer)  # the buffer of this process has every method

@@ -30,7 +30,6 @@ then admits nothing until drops refund it below the budget, so `used <= max(budg
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any
 
 _LEDGER_FIELDS = ("used", "carried", "admitted", "refunded", "in_flight", "outstanding",
@@ -148,37 +147,3 @@ class AdmissionLedger:
     self.scheduled = [(int(version), int(budget))
                       for version, budget in state.get("scheduled", [])]
 
-
-class StalenessBudget:
-  """What `VersionedBuffer` (which mixes this in) offers adaptive staleness: a new staleness
-  threshold for its admission, taking effect at a window opening. Uses the buffer's lock,
-  ledger and capacity, as the functions of observe.py do."""
-
-  def set_staleness_threshold(self, staleness_threshold: float,
-                              from_version: int) -> dict[str, Any]:
-    """Admission budget floor((1 + s) N) for the windows opened at rollout versions >=
-    `from_version` (the current window keeps its budget). Returns the ledger's `budgets()`.
-    The buffer's capacity must hold the new budget's groups (see `errors.check_buffer_config`).
-    """
-    if not (_is_real(staleness_threshold) and math.isfinite(staleness_threshold)
-            and staleness_threshold >= 0):
-      raise ValueError(f"set_staleness_threshold: staleness_threshold={staleness_threshold!r} "
-                       "must be a finite number >= 0")
-    if not isinstance(from_version, numbers.Integral) or isinstance(from_version, bool) or (
-        from_version < 0):
-      raise ValueError(f"set_staleness_threshold: from_version={from_version!r} must be an "
-                       "int >= 0")
-    budget = admission_budget(staleness_threshold, self.config["groups_per_version"])
-    if self._group_size * budget > self._capacity:
-      raise ValueError(
-          f"set_staleness_threshold: staleness_threshold={staleness_threshold} needs capacity "
-          f">= group_size * floor((1 + s) * groups_per_version) = {self._group_size} * "
-          f"{budget} = {self._group_size * budget}, the buffer has {self._capacity} (size it "
-          "for the largest s: RunConfig.staleness_max)")
-    with self._lock:
-      self._ledger.schedule(budget, from_version)
-      return self._ledger.budgets()
-
-
-def _is_real(value: Any) -> bool:
-  return isinstance(value, numbers.Real) and not isinstance(value, bool)

@@ -5,7 +5,7 @@ staleness_max], starting at `staleness_threshold`. Every `staleness_window_versi
 versions the window's metrics go through `decide`, a pure function of them, the s in force and
 the last `MEMORY_WINDOWS` windows (no clock, no thread); the live loop (`run/loop.py`) and the
 simulator (`sim/simulator.py`) call it the same way and give the new s to the buffer's
-admission (`admission.StalenessBudget`), which takes it at the next window opening.
+admission (`staleness_budget.StalenessBudget`), which takes it at the next window opening.
 
 The window's metrics, from the version records (docs/knobs.md):
   idle_ratio   the learner's idle ratio over the window: 1 - (learner busy s) / (wall s), both

@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxrl_async import faults
-from jaxrl_async.buffer import accounting, buffer_state, observe
-from jaxrl_async.buffer.admission import AdmissionLedger, StalenessBudget
+from jaxrl_async.buffer import accounting, buffer_state, observe, staleness_budget
+from jaxrl_async.buffer.admission import AdmissionLedger
 from jaxrl_async.buffer.errors import (
   BufferClosed,
   BufferTimeout,
@@ -47,7 +47,7 @@ from jaxrl_async.types import Sample
 _yield_to_consumer = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 
 
-class VersionedBuffer(StalenessBudget):
+class VersionedBuffer(staleness_budget.StalenessBudget):
   """Bounded, versioned queue of sample groups with admission control and an age bound."""
 
   def __init__(self, *, group_size: int, groups_per_version: int, staleness_threshold: float,

@@ -85,7 +85,7 @@ class Recorder:
     self.partial = self.max_span = 0
     # Adaptive staleness: the live loop's controller, on the same records.
     self.control = (staleness_control.control_of(config)
-                    if getattr(config, "adaptive_staleness", False) else None)
+                    if config.adaptive_staleness else None)
     self.staleness = (None if self.control is None
                       else staleness_control.init_state(config.staleness_threshold))
 
