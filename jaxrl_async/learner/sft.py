@@ -17,6 +17,7 @@ import json
 import os
 import pathlib
 import sys
+import time
 
 try:
   import fcntl
@@ -104,20 +105,32 @@ def default_cache_dir() -> pathlib.Path:
   return pathlib.Path(root)
 
 
+LOCK_TIMEOUT_S = 3600.0  # a warm start that holds the lock longer is taken to be stuck
+
+
 @contextlib.contextmanager
-def _exclusive(lock_path: pathlib.Path, log=print):
-  """Holds an exclusive lock on `lock_path` (released by the OS if this process dies, so a
-  waiter never waits on a process that is gone)."""
+def _exclusive(lock_path: pathlib.Path, log=print, timeout_s: float = LOCK_TIMEOUT_S):
+  """Holds an exclusive lock on `lock_path` (released by the OS if its holder dies, so a waiter
+  never waits on a process that is gone); TimeoutError after `timeout_s` of waiting."""
   if fcntl is None:
     yield
     return
   lock_path.parent.mkdir(parents=True, exist_ok=True)
   with open(lock_path, "a+", encoding="utf-8") as f:
-    try:
-      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-      log(f"base policy: another process is making it; waiting for {lock_path.parent}")
-      fcntl.flock(f, fcntl.LOCK_EX)
+    deadline, waiting = time.monotonic() + timeout_s, False
+    while True:
+      try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        break
+      except BlockingIOError:
+        if time.monotonic() >= deadline:
+          raise TimeoutError(f"base policy: {lock_path} still held by another process after "
+                             f"{timeout_s:.0f} s; remove the cache entry if no run is making "
+                             "it") from None
+        if not waiting:
+          log(f"base policy: another process is making it; waiting for {lock_path.parent}")
+          waiting = True
+        time.sleep(0.5)
     try:
       yield
     finally:

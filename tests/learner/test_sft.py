@@ -158,6 +158,16 @@ def test_callers_that_start_together_train_the_base_policy_once(tmp_path, monkey
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_a_lock_held_past_the_timeout_is_an_error_not_a_hang(tmp_path):
+  lock = tmp_path / "entry.lock"
+  with (sft._exclusive(lock),
+        pytest.raises(TimeoutError, match="still held by another process after 1 s"),
+        sft._exclusive(lock, timeout_s=1.0)):
+    pass
+  with sft._exclusive(lock, timeout_s=1.0):  # free again
+    pass
+
+
 def test_cache_key_depends_on_task_model_and_recipe():
   key = sft._cache_key(TASK, MODEL_CONFIG, RECIPE)
   assert key == sft._cache_key(DigitReverseTask(0), MODEL_CONFIG, RECIPE)
