@@ -63,6 +63,10 @@ class RunCheckpointer:
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
+  def steps(self) -> list[int]:
+    """The versions of the checkpoints on disk, ascending."""
+    return sorted(self._manager.all_steps())
+
   def save(self, step: int, state: TrainState, prompt_iterator, run_state: dict[str, Any],
            *, wait: bool = True) -> None:
     """Writes checkpoint `step`; orbax finalizes it (an atomic rename) only once complete, so

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-COMMANDS = ("train", "serve", "report", "sweep", "simulate")
+COMMANDS = ("train", "serve", "report", "sweep", "simulate", "replay")
 
 
 def main(argv=None) -> int:
@@ -25,6 +25,9 @@ def main(argv=None) -> int:
   if argv[0] == "sweep":
     from launch import sweep
     return sweep.main(argv[1:])
+  if argv[0] == "replay":
+    from launch import replay
+    return replay.main(argv[1:])
   if argv[0] == "simulate":
     from launch import simulate
     return simulate.main(argv[1:])

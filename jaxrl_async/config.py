@@ -108,6 +108,10 @@ class RunConfig:
   watchdog_startup_s: float | None = 3600.0  # the bound for the first version (compilation)
   # Beside metrics.jsonl: 'tensorboard' (when tensorboardX is installed), 'wandb' (offline).
   metric_sinks: tuple[str, ...] = ("tensorboard",)
+  # An async run writes its schedule (every update's groups, every sample's key, tokens,
+  # versions and logprobs) to run_dir/schedule/, so `jaxrl-async replay` can replay it
+  # (docs/replay.md).
+  record_schedule: bool = True
 
   def __post_init__(self):
     check_field_types(self)

@@ -31,6 +31,7 @@ from jaxrl_async.run.records import (
   show_version,
   version_record,
 )
+from jaxrl_async.run.schedule_record import open_recorder
 from jaxrl_async.sinks import make_writer
 from jaxrl_async.watchdog import Watchdog
 
@@ -146,6 +147,7 @@ def _run(parts: Parts, backend: Backend, connection: Connection, run_dir, *, res
   # Before anything is written: metrics.jsonl and ledger.jsonl back to the checkpoint's view
   # (empty for a run that starts from scratch), so versions made again are logged once.
   rewind_logs(run_dir, run_state)
+  recorder = open_recorder(run_dir, cfg, run_state, backend=backend.name)
   timer = RoleTimer()
   writer = make_writer(run_dir, timer, cfg.metric_sinks, log=log)
   ledger = SampleLedger(os.path.join(run_dir, LEDGER_FILE))
@@ -163,6 +165,8 @@ def _run(parts: Parts, backend: Backend, connection: Connection, run_dir, *, res
       try:
         snapshots = fleet.snapshots()
         ledger.dropped_log(buffer.take_drop_log())  # paused: the buffer's drops so far
+        if recorder is not None:  # before the checkpoint: no checkpoint without its schedule
+          recorder.flush(at_version)
         checkpointer.save(at_version, learner_state, ShardPrompts(
             [s["prompts"] for s in snapshots]), {
                 "policy_version": at_version, "consumed_samples": totals["consumed"],
@@ -193,6 +197,8 @@ def _run(parts: Parts, backend: Backend, connection: Connection, run_dir, *, res
     nonlocal staleness
     watchdog.progress()
     consumed_groups.extend([g[0].group_id, g[0].prompt_id] for g in groups)
+    if recorder is not None:
+      recorder.on_version(at_version, groups, learner.published_at)
     ledger.consumed(at_version, groups)
     totals["consumed"] += sum(len(g) for g in groups)
     totals["tokens"] += sum(s.num_response_tokens for g in groups for s in g)
@@ -236,6 +242,8 @@ def _run(parts: Parts, backend: Backend, connection: Connection, run_dir, *, res
     if learner.window_groups:  # updates of a cut-short window stay in the state
       totals["consumed"] += sum(len(g) for g in learner.window_groups)
       ledger.consumed(learner.version, learner.window_groups)
+      if recorder is not None:
+        recorder.on_cut_window(learner.version, learner.window_groups)
     save_checkpoint(learner.version, learner.state, learner.taken)
 
   def rescue() -> None:  # the watchdog's: stop the learner, then save if it stopped
@@ -312,6 +320,7 @@ def _run(parts: Parts, backend: Backend, connection: Connection, run_dir, *, res
              "system/tokens_per_s": totals["tokens"] / wall_s,
              "queue/discarded_at_end": queued, **handoffs.summary(),
              **({} if staleness is None else {"staleness/threshold": staleness.threshold}),
+             **({} if recorder is None else recorder.summary()),
              "run_dir": os.path.abspath(run_dir), "checkpoint_dir": checkpointer.directory}
   return summary, final_state
 
