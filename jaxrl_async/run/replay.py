@@ -163,6 +163,7 @@ class _Generator:
                     if until is None or u.version < until]
     self.traces = {}  # (group id, member) -> Trace
     self.drawn: dict = {}  # group id -> the group as drawn and scored
+    self.window_of: dict = {}  # as_sync: group id -> the version that drew it
     if not as_sync:
       for update in self.updates:
         for group, keys in zip(update.groups, update.keys, strict=True):
@@ -195,6 +196,7 @@ class _Generator:
     scored = {s.uid: s for s in self.parts.rollout.rewards.score_all(list(done.values()))}
     for group, _ in window:
       self.drawn[group[0].group_id] = [scored[s.uid] for s in group]
+      self.window_of[group[0].group_id] = version
 
   def groups_of(self, update) -> list:
     if not self.as_sync:
@@ -210,6 +212,8 @@ class _Generator:
     recorded = {s.uid: (u.version, s) for u in self.updates for g in u.groups for s in g}
     drawn = [s for group in self.drawn.values() for s in group]
     return {"samples": len(drawn),
+            "off_policy": sum(bool(np.any(s.token_versions != self.window_of[s.group_id]))
+                              for s in drawn),
             "off_policy_in_run": sum(bool(np.any(s.token_versions != v))
                                      for v, s in recorded.values()),
             "tokens_differ_from_run": sum(
