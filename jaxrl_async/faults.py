@@ -37,6 +37,8 @@ POINTS = (
     "learner.take_publish",  # next groups taken from the buffer, new version not published
     "reward.call",  # a reward function call, in its call thread
     "sync.publish",  # the learner publishes new weights to the rollout side
+    "sync.stage",  # weight store: a version is staged and checked, not yet flipped into place
+    "sync.load",  # weight store: a rollout server starts loading a version
     "rollout.decode_step",  # the rollout side runs one decode step
 )
 ACTIONS = ("kill", "raise", "hang", "delay")
