@@ -66,7 +66,9 @@ def _hang_each(cases, tmp_path, env=None) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(3000)
 def test_a_hang_at_each_point_ends_the_run_within_its_bound(tmp_path):
-  assert {point for _, point, _, _ in CASES} == set(faults.POINTS) - {"reward.call"}
+  # The weight store's points fire only with sync_backend='store' (tests/sync/, tests/backends/).
+  store_only = {"sync.stage", "sync.load"}
+  assert {point for _, point, _, _ in CASES} == set(faults.POINTS) - {"reward.call"} - store_only
   _hang_each(CASES, tmp_path)
 
 
