@@ -85,6 +85,16 @@ class RunConfig:
   # not at the update that first meets one (learner/compiled.py).
   precompile_updates: bool = True
   sync_backend: str = "device"
+  # -- the weight store (sync_backend='store'; docs/sync.md) --
+  # Publish only the changed elements of each leaf against the previous version (lossless);
+  # a full version every sync_full_every versions and whenever a rollout server asks for one.
+  sync_delta: bool = False
+  sync_full_every: int = 16
+  # The dtype of the rollout side's weights (None: as the learner trains them), e.g.
+  # 'bfloat16' as an inference engine holds them; the store casts at publish.
+  rollout_param_dtype: str | None = None
+  # A rollout server still loading a version after this long is replaced (processes, Ray).
+  sync_load_deadline_s: float | None = 300.0
   # -- backend: the roles as threads of one process, or rollout servers as processes / Ray --
   backend: str = "threads"
   num_rollout_servers: int = 1  # rollout server processes ('processes') or actors ('ray')
@@ -133,6 +143,7 @@ class RunConfig:
           "buffer can fill with partial groups and deadlock")
     _choice("partial_strategy", self.partial_strategy, PARTIAL_STRATEGIES)
     _choice("sync_backend", self.sync_backend, SYNC_BACKENDS)
+    _check_store(self)
     _choice("backend", self.backend, BACKENDS)
     _positive_int("num_rollout_servers", self.num_rollout_servers)
     if self.backend == "ray":
@@ -244,6 +255,22 @@ class RunConfig:
 
 
 ADAPTIVE_MODES = ("async_stale", "async_partial")
+ROLLOUT_PARAM_DTYPES = (None, "float32", "bfloat16", "float16")
+
+
+def _check_store(config) -> None:
+  """The weight store's knobs: they act only through sync_backend='store'."""
+  _choice("rollout_param_dtype", config.rollout_param_dtype, ROLLOUT_PARAM_DTYPES)
+  _positive_int("sync_full_every", config.sync_full_every)
+  deadline = config.sync_load_deadline_s
+  if deadline is not None and not deadline > 0:
+    raise ValueError(f"sync_load_deadline_s must be > 0 or None (off), got {deadline}")
+  for name, value, off in (("sync_delta", config.sync_delta, False),
+                           ("rollout_param_dtype", config.rollout_param_dtype, None)):
+    if value != off and config.sync_backend != "store":
+      raise ValueError(f"{name}={value!r} needs sync_backend='store' (the weight store "
+                       f"publishes deltas and casts for the rollout side), got "
+                       f"sync_backend={config.sync_backend!r}")
 
 
 def _check_adaptive(config) -> None:

@@ -69,6 +69,7 @@ class Fleet(abc.ABC):
     self.log = log
     self.last_health: list[dict] = [{}] * num_servers
     self.final_counts: list[dict] = []
+    self.final_sync: list[dict] = []  # weight-store load counts of servers that ended
     self.pending_spans: list = []
     self._lock = threading.RLock()
 
@@ -116,6 +117,25 @@ class Fleet(abc.ABC):
       for key, value in counts.items():
         totals[f"rollout/{key}"] = totals.get(f"rollout/{key}", 0) + value
     return totals
+
+  def retire(self, index: int) -> None:
+    """Keeps the counts of server `index`, about to be replaced, in the run's totals."""
+    self.final_counts.append(self.last_health[index].get("counts", {}))
+    self.final_sync.append((self.last_health[index].get("sync") or {}).get("counts", {}))
+
+  def sync_figures(self) -> dict[str, float]:
+    """The weight store's loads on the rollout side (`sync/<count>` summed over servers, ended
+    ones included) and each server's mean publish -> loaded latency
+    (`sync/load_latency_s/server<k>`); empty with other channels."""
+    states = [h.get("sync") for h in self.last_health]
+    out: dict[str, float] = {}
+    for counts in self.final_sync + [state["counts"] for state in states if state]:
+      for key, value in counts.items():
+        out[f"sync/{key}"] = out.get(f"sync/{key}", 0) + value
+    for index, state in enumerate(states):
+      if state and state.get("load_latency_s_mean") is not None:
+        out[f"sync/load_latency_s/server{index}"] = state["load_latency_s_mean"]
+    return out
 
   def server_timers(self) -> dict[str, float]:
     """rollout/ and reward/ busy_s (summed) and idle_ratio (the servers' mean), from each
@@ -167,6 +187,12 @@ class Fleet(abc.ABC):
     hung = "".join(f"; rollout server {index} blocked at fault point {', '.join(h['hanging'])}"
                    for index, h in enumerate(self.last_health) if h.get("hanging"))
     return f"rollout servers {servers}{hung}"
+
+
+def load_overdue(health: dict, deadline_s: float | None) -> bool:
+  """Whether a server has been loading one weight version for longer than `deadline_s`."""
+  loading = (health.get("sync") or {}).get("loading_s")
+  return deadline_s is not None and loading is not None and loading > deadline_s
 
 
 class ControllerBuffer(abc.ABC):

@@ -60,6 +60,12 @@ class RolloutControl(abc.ABC):
     """Stops the server and returns its final counts (aborted samples counted as 'shutdown')."""
 
 
+def reader_state(channel) -> dict | None:
+  """The weight channel's view of this server's loads (the weight store has one)."""
+  state = getattr(channel, "reader_state", None)
+  return None if state is None else state()
+
+
 def strip_admission(entries: list[dict]) -> list[dict]:
   """Re-issue entries for a restored buffer: admissions held before the save do not carry."""
   return [{key: value for key, value in entry.items() if key != "admitted"}
@@ -145,7 +151,8 @@ class RolloutServer(RolloutControl):
             "rewarding": role.rewarding, "reward_counts": dict(self.side.rewards.counts),
             "timer": self.timer.summary(), "pid": os.getpid(),
             "host": socket.gethostname(), "spans": spans,
-            "hanging": sorted(faults.hanging)}  # fault points a thread here is blocked at
+            "hanging": sorted(faults.hanging),  # fault points a thread here is blocked at
+            "sync": reader_state(self.channel)}
 
   def stop(self, timeout: float = 30.0) -> dict[str, Any]:
     """Stops the role and waits for the batches still being scored: each one ends in the buffer

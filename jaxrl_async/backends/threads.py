@@ -1,6 +1,6 @@
 """The `threads` backend (the embedded default): one rollout server in the controller's process,
 its Rollouter a thread beside the learner's, over the buffer of this process
-(`LocalBufferClient`) and a device-transfer (or orbax store) weight channel.
+(`LocalBufferClient`) and a device-transfer (or weight store) weight channel.
 
 The server generates with the controller's rollout side (`Parts.rollout`: its engine on the
 placement's rollout mesh, its reward pool and prompts), so `rollout_mesh` placement applies.
@@ -25,7 +25,8 @@ from jaxrl_async.backends.rollout_server import RolloutServer, first_start
 from jaxrl_async.buffer.client import LocalBufferClient
 from jaxrl_async.config import RunConfig
 from jaxrl_async.run.build import Parts, RolloutSide, buffer_for
-from jaxrl_async.sync.channel import DeviceTransferChannel, OrbaxStoreChannel
+from jaxrl_async.sync import TensorStoreChannel, store_options
+from jaxrl_async.sync.channel import DeviceTransferChannel
 
 PAUSE_TIMEOUT_S = 60.0
 
@@ -91,15 +92,16 @@ class LocalFleet(Fleet):
 
 
 def make_channel(parts: Parts, run_dir):
-  """The learner's weight channel: a device transfer onto the rollout mesh, or the orbax store
-  (`sync_backend='store'`)."""
+  """The learner's weight channel: a device transfer onto the rollout mesh, or the weight store
+  (`sync_backend='store'`, sync/store_channel.py)."""
   learner = parts.learner
   if parts.config.sync_backend == "store":
     # The store is transport, not a checkpoint: versions left by an earlier (resumed) run
     # would be newer than the restored learner, so they are cleared.
     shutil.rmtree(os.path.join(run_dir, "weights"), ignore_errors=True)
-    return OrbaxStoreChannel(os.path.join(run_dir, "weights"), learner.spec.abstract_params,
-                             learner.spec.logical_axes, parts.rollout_mesh)
+    return TensorStoreChannel(os.path.join(run_dir, "weights"), learner.spec.abstract_params,
+                              learner.spec.logical_axes, parts.rollout_mesh,
+                              **store_options(parts.config))
   return DeviceTransferChannel(learner.spec.logical_axes, parts.rollout_mesh)
 
 

@@ -156,6 +156,9 @@ class Rollouter(RoleThread):
       self._draining = True  # finish in-flight samples on the old weights first
       return
     version, params = self.channel.fetch()
+    if version <= self.batcher.version:  # the load failed (counted by the channel): go on
+      self._draining = False
+      return
     with self.timer.busy("rollout"):
       interrupted = self.batcher.set_params(
           params, version,

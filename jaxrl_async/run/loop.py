@@ -58,7 +58,7 @@ class ShardPrompts:
 def fleet_figures(fleet) -> dict:
   """The rollout side's figures: counts, busy time, reward outcomes and re-issues."""
   return {**fleet.rollout_counts(), **fleet.server_timers(), **fleet.reward_counts(),
-          **fleet.counts}
+          **fleet.sync_figures(), **fleet.counts}
 
 
 def make_learner_role(parts: Parts, state, buffer, channel, timer, *, start_version: int,

@@ -6,5 +6,7 @@ from jaxrl_async.sync.channel import (
                                       WeightChannel,
                                       tree_bytes,
 )
+from jaxrl_async.sync.store_channel import TensorStoreChannel, store_options
 
-__all__ = ["DeviceTransferChannel", "OrbaxStoreChannel", "WeightChannel", "tree_bytes"]
+__all__ = ["DeviceTransferChannel", "OrbaxStoreChannel", "TensorStoreChannel", "WeightChannel",
+           "store_options", "tree_bytes"]

@@ -47,6 +47,12 @@ KEEP_LAST = 2  # versions kept beyond those a reader may still need
 JOIN_TIMEOUT_S = 600.0
 
 
+def store_options(config) -> dict:
+  """The channel's keyword arguments from a RunConfig's knobs."""
+  return {"delta": config.sync_delta, "full_every": config.sync_full_every,
+          "rollout_dtype": config.rollout_param_dtype}
+
+
 class TensorStoreChannel(WeightChannel):
 
   def __init__(self, directory, abstract_params, logical_axes=None, rollout_mesh=None, *,

@@ -231,10 +231,10 @@ def test_a_rollout_mesh_is_refused_where_servers_live_in_other_processes(name, t
 
 
 @pytest.mark.slow
-def test_a_whole_run_publishes_through_the_orbax_store(backend, tmp_path):
+def test_a_whole_run_publishes_through_the_weight_store(backend, tmp_path):
   """`sync_backend='store'` (the channel that crosses hosts through a shared directory) on
-  every backend: the rollout side loads each version from <run_dir>/weights, where the newest
-  versions are whole orbax checkpoints."""
+  every backend: the rollout side loads each version from <run_dir>/weights, and every load's
+  digest is the one the learner published for that version."""
   config = tiny_config(backend, mode="async_stale", staleness_threshold=1.0, max_version_gap=2,
                        sync_backend="store")
   summary, records = run_mode(config, tmp_path)
@@ -242,3 +242,9 @@ def test_a_whole_run_publishes_through_the_orbax_store(backend, tmp_path):
   versions = sorted(int(name) for name in os.listdir(tmp_path / "weights") if name.isdigit())
   assert versions and versions[-1] == config.num_versions  # the last publish is kept
   assert summary["rollout/swaps"] >= 2  # the servers loaded versions after the first
+  published = {line["version"]: line["digest"]
+               for line in read_jsonl(tmp_path / "weights" / "published.jsonl")}
+  loads = [load for name in os.listdir(tmp_path / "weights" / "loads")
+           for load in read_jsonl(tmp_path / "weights" / "loads" / name)]
+  assert len(loads) == summary["sync/loads"] >= 3
+  assert all(load["digest"] == published[load["version"]] for load in loads)

@@ -1,3 +1,3 @@
 """The `processes` backend: rollout servers in spawned child processes on one host, the buffer
 served to them over a socket (`buffer_service`, `wire`), weights over shared memory or the
-orbax store."""
+weight store (sync/store_channel.py)."""

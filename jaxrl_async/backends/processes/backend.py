@@ -2,7 +2,7 @@
 K rollout servers in spawned child processes beside it, each on its own share of the cores.
 
 Samples come in over the buffer service (one call per batch), weights go out over shared
-memory (`sync_backend='device'`) or the orbax store (`'store'`). A server that dies or stops
+memory (`sync_backend='device'`) or the weight store (`'store'`, sync/store_channel.py). A server that dies or stops
 answering is replaced by the fleet (`fleet.py`), its unfinished groups re-issued exactly once.
 """
 
@@ -20,7 +20,7 @@ from jaxrl_async.backends.processes.fleet import ProcessFleet
 from jaxrl_async.backends.processes.rollout_process import PROCESS_CHANNELS
 from jaxrl_async.config import RunConfig
 from jaxrl_async.run.build import Parts, buffer_for
-from jaxrl_async.sync import OrbaxStoreChannel
+from jaxrl_async.sync import TensorStoreChannel, store_options
 from jaxrl_async.sync.shm_channel import SharedMemoryWeightChannel
 
 
@@ -44,7 +44,8 @@ def make_channel(parts: Parts, run_dir):
     return channel, {"kind": "shm", "location": channel.name}
   directory = os.path.join(os.path.abspath(run_dir), "weights")
   shutil.rmtree(directory, ignore_errors=True)  # transport, not a checkpoint
-  return (OrbaxStoreChannel(directory, abstract, parts.learner.spec.logical_axes),
+  return (TensorStoreChannel(directory, abstract, parts.learner.spec.logical_axes,
+                             **store_options(parts.config)),
           {"kind": "store", "location": directory})
 
 

@@ -6,8 +6,9 @@ that did not answer `health` within `heartbeat_timeout_s` (a stopped process: SI
 replaced server is killed with SIGKILL, its buffer client revoked, and a new one continues its
 prompt shard and re-issues its unfinished groups, each exactly once: they are counted under
 `runtime/reissued_groups/<reason>` and `runtime/reissued_samples/<reason>` (reasons
-'server_died', 'server_unresponsive'). A server that reports an error of its own role stops the
-run with that error: restarting it would only repeat it.
+'server_died', 'server_unresponsive', 'load_deadline': still loading a weight version after
+`RunConfig.sync_load_deadline_s`, counted `sync/load_deadline_missed`). A server that reports an
+error of its own role stops the run with that error: restarting it would only repeat it.
 """
 
 from __future__ import annotations
@@ -17,13 +18,19 @@ import json
 import os
 from typing import Any
 
-from jaxrl_async.backends.base import Fleet, RoleFailed, keep_spans, warn_unscored
+from jaxrl_async.backends.base import (
+  Fleet,
+  RoleFailed,
+  keep_spans,
+  load_overdue,
+  warn_unscored,
+)
 from jaxrl_async.backends.processes import wire
 from jaxrl_async.backends.processes.buffer_service import BufferService, RemoteBufferClient
 from jaxrl_async.backends.processes.rollout_process import RolloutProcess
 from jaxrl_async.backends.rollout_server import first_start
 
-REISSUE_REASONS = ("server_died", "server_unresponsive")
+REISSUE_REASONS = ("server_died", "server_unresponsive", "load_deadline")
 REVOKE_TIMEOUT_S = 120.0
 SPAWN_TIMEOUT_S = 600.0
 
@@ -56,6 +63,7 @@ class ProcessFleet(Fleet):
     for reason in REISSUE_REASONS:
       self._counts[f"runtime/reissued_groups/{reason}"] = 0
       self._counts[f"runtime/reissued_samples/{reason}"] = 0
+    self._counts["sync/load_deadline_missed"] = 0
     # Children die with the thread that spawned them (child.py): one thread spawns them all and
     # lives until `stop`, whichever thread asks for a replacement.
     self._spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fleet-spawner")
@@ -115,7 +123,7 @@ class ProcessFleet(Fleet):
       self._restarts += 1
       server = self.servers[index]
       server.kill()
-      self.final_counts.append(self.last_health[index].get("counts", {}))
+      self.retire(index)
       orphan = self.service.revoke(self.client_ids[index], REVOKE_TIMEOUT_S)
       inflight = orphan["inflight"]
       self._counts[f"runtime/reissued_groups/{reason}"] += len(inflight)
@@ -150,6 +158,9 @@ class ProcessFleet(Fleet):
         keep_spans(self.pending_spans, health)
         if health["error"] is not None:
           raise RolloutServerFailed(f"rollout server {index} failed: {health['error']}")
+        if load_overdue(health, self.config.sync_load_deadline_s):
+          self._counts["sync/load_deadline_missed"] += 1
+          self.replace(index, "load_deadline")
 
   def _each(self, method: str, timeout: float) -> list[Any]:
     """Calls `method` on every server; a server that died meanwhile is replaced first."""

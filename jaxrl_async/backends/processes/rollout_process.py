@@ -11,13 +11,13 @@ from jaxrl_async.backends.processes import child, wire
 from jaxrl_async.backends.rollout_server import RolloutControl, RolloutServer
 from jaxrl_async.roles import short_gil_switch
 from jaxrl_async.run.build import model_spec
-from jaxrl_async.sync import OrbaxStoreChannel
+from jaxrl_async.sync import TensorStoreChannel, store_options
 from jaxrl_async.sync.shm_channel import SharedMemoryWeightChannel
 
 # Seconds a control call may wait beyond its own timeout (the child's interpreter, pickling).
 CONTROL_MARGIN_S = 10.0
 # The weight channel between processes, by `RunConfig.sync_backend`: 'device' (the fast path of
-# one host) becomes shared memory, 'store' stays the orbax store on a shared directory.
+# one host) becomes shared memory, 'store' stays the weight store on a shared directory.
 PROCESS_CHANNELS = {"device": "shm", "store": "store"}
 
 
@@ -26,7 +26,8 @@ def open_rollout_channel(spec: dict, config):
   model = model_spec(config)
   if spec["kind"] == "shm":
     return SharedMemoryWeightChannel.attach(spec["location"], model.abstract_params)
-  return OrbaxStoreChannel(spec["location"], model.abstract_params, model.logical_axes)
+  return TensorStoreChannel(spec["location"], model.abstract_params, model.logical_axes,
+                            **store_options(config))
 
 
 def serve(spec: dict, conn) -> None:

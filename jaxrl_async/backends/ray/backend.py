@@ -7,8 +7,8 @@ and `num_rollout_servers` rollout actors on the nodes that offer the rollout res
 (`RunConfig.ray_rollout_resource`), each asking for `ray_rollout_cpus` CPUs and
 `ray_rollout_gpus` GPUs. Each actor owns a `RolloutServer` (its engine, reward pool and prompt
 shard) reached through `RayBufferClient` and a weight channel: `RayWeightChannel` (Ray's object
-store) with `sync_backend='device'`, or with 'store' orbax checkpoints in <run_dir>/weights,
-which every node must see (a shared file system).
+store) with `sync_backend='device'`, or with 'store' the weight store in <run_dir>/weights
+(sync/store_channel.py), which every node must see (a shared file system).
 
 Faults: Ray restarts a killed actor (`max_restarts`); the new incarnation takes over the groups
 its predecessor left unfinished from the buffer actor (`claim`: revoke the old client, register
@@ -33,6 +33,7 @@ from jaxrl_async.backends.base import (
   Fleet,
   RoleFailed,
   keep_spans,
+  load_overdue,
   warn_unscored,
 )
 from jaxrl_async.backends.processes.backend import make_channel, refuse_rollout_mesh
@@ -105,6 +106,7 @@ class RayFleet(Fleet):
     self.silence_limit_s = max(3 * self.heartbeat_timeout_s, SILENCE_MIN_S)
     self._last_answer = [time.monotonic()] * self.num_servers
     self._constructor_args: list[list] = []
+    self._load_deadline_missed = 0
 
   @property
   def restarts(self) -> int:
@@ -112,7 +114,8 @@ class RayFleet(Fleet):
 
   @property
   def counts(self) -> dict[str, int]:
-    return dict(self._get(self.buffer_actor.reissue_counts.remote()))
+    return {**self._get(self.buffer_actor.reissue_counts.remote()),
+            "sync/load_deadline_missed": self._load_deadline_missed}
 
   def _get(self, ref, timeout: float = 60.0):
     return self.ray.get(ref, timeout=timeout)
@@ -185,11 +188,17 @@ class RayFleet(Fleet):
       self._last_answer[index] = time.monotonic()
       if health.get("client_id") != self.last_health[index].get("client_id") and (
           self.last_health[index]):
-        self.final_counts.append(self.last_health[index].get("counts", {}))
+        self.retire(index)
       self.last_health[index] = health
       keep_spans(self.pending_spans, health)
       if health["error"] is not None:
         raise RolloutActorFailed(f"rollout actor {index} failed: {health['error']}")
+      if load_overdue(health, self.config.sync_load_deadline_s):
+        self.log(f"rollout actor {index} still loading weights after "
+                 f"{self.config.sync_load_deadline_s} s: killed, Ray restarts it")
+        self._load_deadline_missed += 1
+        self._get(self.buffer_actor.note_unresponsive.remote(index))
+        self.ray.kill(actor, no_restart=False)
     self._write_status()
 
   def _each(self, method: str, timeout: float) -> list[Any]:
@@ -278,8 +287,8 @@ class DriverBuffer(ControllerBuffer):
 
 def weight_channels(parts: Parts, run_dir, store) -> tuple[Any, dict]:
   """(the learner's end, how the rollout actors open theirs), by `RunConfig.sync_backend`:
-  'device' through Ray's object store (`store`, the weight store actor); 'store' through orbax
-  checkpoints in <run_dir>/weights, a directory every node must see (a shared file system)."""
+  'device' through Ray's object store (`store`, the weight store actor); 'store' through the
+  weight store in <run_dir>/weights, a directory every node must see (a shared file system)."""
   if parts.config.sync_backend == "store":
     return make_channel(parts, run_dir)
   return (RayWeightChannel(store, parts.learner.spec.logical_axes),
