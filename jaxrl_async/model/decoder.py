@@ -86,6 +86,21 @@ class RMSNorm(nnx.Module):
     return (normed * self.scale[...]).astype(x.dtype)
 
 
+def rope_tables(angles: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(sin, cos) of angles [B, T, K], each [B, T, K] float32, computed once and kept in memory.
+
+  XLA:CPU counts sin and cos as cheap and fuses them into every consumer, so each query and key
+  head (and the backward pass, twice per element) recomputed them. A gather is never fused into a
+  consumer that reuses its elements, so the tables go through an identity gather along T
+  (B, the axis a mesh shards, passes through it untouched): the same values, computed once.
+  """
+  assert angles.ndim == 3, angles.shape
+  tables = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-2)  # [B, T, 2, K]
+  tables = jnp.take(tables, jnp.arange(angles.shape[1]), axis=1, mode="clip",
+                    unique_indices=True, indices_are_sorted=True)
+  return tables[:, :, 0], tables[:, :, 1]
+
+
 def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float,
                      scaling: RopeScaling | LinearRopeScaling | YarnRopeScaling | None = None
                      ) -> jax.Array:
@@ -99,7 +114,8 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float,
   if scaling is not None:
     freqs = scaling.scale_frequencies(freqs, theta)
   angles = positions[..., None].astype(jnp.float32) * freqs  # [B, T, D/2]
-  sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
+  sin, cos = rope_tables(angles)
+  sin, cos = sin[:, :, None, :], cos[:, :, None, :]
   x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   if scaling is not None and scaling.attention_factor != 1.0:

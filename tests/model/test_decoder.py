@@ -16,7 +16,7 @@ from jaxrl_async.model import (
   param_logical_axes,
   split_model,
 )
-from jaxrl_async.model.decoder import embed_tokens, rotary_embedding, write_cache
+from jaxrl_async.model.decoder import embed_tokens, rope_tables, rotary_embedding, write_cache
 
 CONFIG = get_config("tiny")
 
@@ -221,6 +221,50 @@ def test_rope_matches_a_numpy_reference():
       a, b = x[0, t, 0, i], x[0, t, 0, i + 2]
       assert out[0, t, 0, i] == pytest.approx(a * np.cos(angle) - b * np.sin(angle), abs=1e-5)
       assert out[0, t, 0, i + 2] == pytest.approx(b * np.cos(angle) + a * np.sin(angle), abs=1e-5)
+
+
+def test_rope_tables_are_sin_and_cos_of_the_angles_under_jit():
+  angles = jnp.asarray(np.random.default_rng(3).uniform(-50, 5000, size=(3, 7, 8)), jnp.float32)
+  sin, cos = jax.jit(rope_tables)(angles)
+  np.testing.assert_array_equal(np.asarray(sin), np.asarray(jax.jit(jnp.sin)(angles)))
+  np.testing.assert_array_equal(np.asarray(cos), np.asarray(jax.jit(jnp.cos)(angles)))
+
+
+def _fused_sin_cos_rope(x, positions, theta):
+  """RoPE with sin and cos left to XLA's fusion (the formula without `rope_tables`)."""
+  half = x.shape[-1] // 2
+  angles = positions[..., None].astype(jnp.float32) * theta ** (
+      -jnp.arange(half, dtype=jnp.float32) / half)
+  sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
+  x1, x2 = x[..., :half], x[..., half:]
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def test_rope_and_its_gradient_equal_the_plain_formula_under_jit():
+  rng = np.random.default_rng(4)
+  x = jnp.asarray(rng.normal(size=(2, 9, 3, 16)), jnp.float32)
+  positions = jnp.asarray(rng.integers(0, 100_000, size=(2, 9)), jnp.int32)
+  cotangent = jnp.asarray(rng.normal(size=x.shape), jnp.float32)
+  for rope in (rotary_embedding, _fused_sin_cos_rope):
+    out, vjp = jax.jit(lambda x, rope=rope: jax.vjp(lambda y: rope(y, positions, 1e6), x))(x)
+    grad = jax.jit(vjp)(cotangent)[0]
+    if rope is rotary_embedding:
+      expected_out, expected_grad = out, grad
+  np.testing.assert_array_equal(np.asarray(expected_out), np.asarray(out))
+  np.testing.assert_array_equal(np.asarray(expected_grad), np.asarray(grad))
+
+
+def test_sin_and_cos_are_computed_once_per_update(tiny):
+  """XLA:CPU would recompute them inside every RoPE fusion (each head, forward and backward)."""
+  graphdef, params, _ = tiny
+  tokens = _tokens(4, 8, seed=5)
+  positions = jnp.broadcast_to(jnp.arange(8), (4, 8))
+
+  def loss(params):
+    return jnp.sum(apply(graphdef, params, tokens, positions)[0] ** 2)
+
+  hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+  assert hlo.count(" sine(") == 1 and hlo.count(" cosine(") == 1
 
 
 def test_model_logits_are_invariant_to_shifting_all_positions(tiny):
