@@ -19,6 +19,9 @@ spawned child (a rollout server, on its own default device) waits for the versio
 and reports when the params are ready there. One timed sync is publish -> ready in the child,
 for shared memory (`runtime.shm_channel`) and for the orbax store: `<preset>_shm_xproc_*` and
 `<preset>_store_xproc_*`.
+
+The weight store of `sync_backend='store'` (staged, checked versions and delta publishes of bf16
+weights, sync/store_channel.py) is measured beside shared memory by benchmarks/store_bench.py.
 """
 
 from __future__ import annotations
