@@ -271,6 +271,9 @@ def _check_store(config) -> None:
       raise ValueError(f"{name}={value!r} needs sync_backend='store' (the weight store "
                        f"publishes deltas and casts for the rollout side), got "
                        f"sync_backend={config.sync_backend!r}")
+  if config.rollout_param_dtype is not None and config.mode == "sync":
+    raise ValueError(f"rollout_param_dtype={config.rollout_param_dtype!r} needs an async mode: "
+                     "mode='sync' hands the learner's params to its engine directly")
 
 
 def _check_adaptive(config) -> None:
