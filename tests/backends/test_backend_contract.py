@@ -233,17 +233,23 @@ def test_a_rollout_mesh_is_refused_where_servers_live_in_other_processes(name, t
 @pytest.mark.slow
 def test_a_whole_run_publishes_through_the_weight_store(backend, tmp_path):
   """`sync_backend='store'` (the channel that crosses hosts through a shared directory) on
-  every backend: the rollout side loads each version from <run_dir>/weights, and every load's
-  digest is the one the learner published for that version."""
+  every backend, with delta publishes of bf16 rollout weights: the rollout side loads each
+  version from <run_dir>/weights, and every load's digest is the one the learner published for
+  that version (the CRC-32 of every leaf of the full bf16 weights), so the rollout weights equal
+  a full publish's at every version it loaded."""
   config = tiny_config(backend, mode="async_stale", staleness_threshold=1.0, max_version_gap=2,
-                       sync_backend="store")
+                       sync_backend="store", sync_delta=True, sync_full_every=3,
+                       rollout_param_dtype="bfloat16")
   summary, records = run_mode(config, tmp_path)
   check_run(config, summary, records, tmp_path)
   versions = sorted(int(name) for name in os.listdir(tmp_path / "weights") if name.isdigit())
   assert versions and versions[-1] == config.num_versions  # the last publish is kept
   assert summary["rollout/swaps"] >= 2  # the servers loaded versions after the first
-  published = {line["version"]: line["digest"]
-               for line in read_jsonl(tmp_path / "weights" / "published.jsonl")}
+  lines = read_jsonl(tmp_path / "weights" / "published.jsonl")
+  assert [line["kind"] for line in lines] == ["full", "delta", "delta", "full", "delta"]
+  assert summary["sync/bytes"] < summary["sync/full_bytes"]
+  assert 0 < summary["sync/delta_density_mean"] < 1 and summary["sync/delta_fallbacks"] == 0
+  published = {line["version"]: line["digest"] for line in lines}
   loads = [load for name in os.listdir(tmp_path / "weights" / "loads")
            for load in read_jsonl(tmp_path / "weights" / "loads" / name)]
   assert len(loads) == summary["sync/loads"] >= 3
