@@ -30,6 +30,7 @@ from jaxrl_async.model.config import (
   RopeScaling,
   YarnRopeScaling,
 )
+from jaxrl_async.model.softmax import softmax
 
 
 def dense(spec: str, x: jax.Array, weight: jax.Array) -> jax.Array:
@@ -226,7 +227,7 @@ class Attention(nnx.Module):
     if segment_ids is not None:
       visible &= segment_ids[:, None, None, None, :] == segment_ids[:, None, None, :, None]
     scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    probs = softmax(scores).astype(dtype)
     out = dense("bkgts,bskd->btkgd", probs, values)
     out = out.reshape(batch, length, heads, head_dim)
     return project(out, self.o[...], contract=2), new_cache
