@@ -105,15 +105,18 @@ def decode_step_work(config: ModelConfig, slots: int, cache_length: int) -> Work
 
 def update_work(config: ModelConfig, rows: int, row_length: int, *,
                 head_recompute: bool = True) -> Work:
-  """One learner update on `rows` packed rows of `row_length` tokens.
+  """One learner update on `rows` packed rows of `row_length` tokens (the batch's tokens shape).
 
-  FLOPs: the forward, twice it for the backward, the blocks' forward again with `config.remat`,
-  the head's forward again with `head_recompute` (chunked logprobs recompute each chunk's
-  logits in the backward pass). Bytes: AdamW reads params, grads and both moments and writes
-  params and moments (float32 moments), beside reading the weights for the forward and backward.
+  The model runs over row_length - 1 positions per row: a row's last token is only a target
+  (`step.sequence_logprobs`). FLOPs: the forward, twice it for the backward, the blocks' forward
+  again with `config.remat`, the head's forward again with `head_recompute` (chunked logprobs
+  recompute each chunk's logits in the backward pass). Bytes: AdamW reads params, grads and both
+  moments and writes params and moments (float32 moments), beside reading the weights for the
+  forward and backward.
   """
-  tokens = rows * row_length
-  blocks = forward_flops(config, tokens, row_length, with_head=False)
+  positions = row_length - 1
+  tokens = rows * positions
+  blocks = forward_flops(config, tokens, positions, with_head=False)
   head = forward_flops(config, tokens, 0, with_head=True) - forward_flops(
       config, tokens, 0, with_head=False)
   flops = 3 * (blocks + head) + (blocks if config.remat else 0) + (head if head_recompute else 0)
@@ -124,9 +127,10 @@ def update_work(config: ModelConfig, rows: int, row_length: int, *,
 
 
 def model_flops_per_update(config: ModelConfig, rows: int, row_length: int) -> float:
-  """6 x (matmul params) x tokens plus attention: the usual 'model FLOPs', no recompute."""
-  tokens = rows * row_length
-  return 3 * forward_flops(config, tokens, row_length)
+  """6 x (matmul params) x tokens plus attention: the usual 'model FLOPs', no recompute, over
+  the row_length - 1 positions per row the model runs over (as `update_work`)."""
+  positions = row_length - 1
+  return 3 * forward_flops(config, rows * positions, positions)
 
 
 def fraction(work: Work, seconds: float, peaks_gflops: dict[str, float],

@@ -76,9 +76,9 @@ def test_decode_flops_equal_the_decoders_matmuls_with_a_cache(tiny_model):
 
 
 def test_update_counts_backward_remat_and_head_recompute():
-  rows, length = 4, 8
-  forward = roofline.forward_flops(TINY, rows * length, length)
-  head = 2 * roofline.head_params(TINY) * rows * length
+  rows, length = 4, 8  # the model runs over 7 positions per row: the last token is a target
+  forward = roofline.forward_flops(TINY, rows * 7, 7)
+  head = 2 * roofline.head_params(TINY) * rows * 7
   assert roofline.model_flops_per_update(TINY, rows, length) == 3 * forward
   assert roofline.update_work(TINY, rows, length, head_recompute=False).flops == 3 * forward
   assert roofline.update_work(TINY, rows, length).flops == 3 * forward + head
@@ -100,3 +100,29 @@ def test_measurements_are_positive_and_finite():
   bandwidth = roofline.measure_bandwidth(megabytes=4, repeats=1)
   assert np.isfinite(peak) and peak > 0
   assert np.isfinite(bandwidth) and bandwidth > 0
+
+
+@pytest.mark.parametrize("logit_chunk_size", [0, 16])
+def test_update_flops_equal_the_matmuls_of_the_learners_traced_gradient(logit_chunk_size):
+  """The learner's loss and gradient (`step._loss_fn`, chunked head recomputed or not) on a
+  batch of 4 rows of 8 tokens: every dot_general of the traced program, recompute included."""
+  from jaxrl_async.learner import step as step_lib
+  from jaxrl_async.learner.batching import TrainBatch
+
+  graphdef, params = split_model(init_model(TINY))
+  rows, length = 4, 8
+  zeros = jnp.zeros((rows, length), jnp.float32)
+  batch = TrainBatch(tokens=jnp.zeros((rows, length), jnp.int32), response_mask=zeros + 1,
+                     behaviour_logprobs=zeros, token_versions=jnp.zeros((rows, length), jnp.int32),
+                     rewards=jnp.zeros((rows,), jnp.float32),
+                     sample_index=jnp.broadcast_to(jnp.arange(rows)[:, None], (rows, length)),
+                     positions=None, segment_ids=None, group_index=jnp.zeros((rows,), jnp.int32))
+  config = step_lib.LearnerConfig(logit_chunk_size=logit_chunk_size)
+
+  def loss(params):
+    logp, entropy, *_ = step_lib._loss_fn(params, graphdef, config, batch, None, 0.0, 0.0)
+    return jnp.sum(logp) + jnp.sum(entropy)
+
+  jaxpr = jax.make_jaxpr(jax.value_and_grad(loss))(params)
+  work = roofline.update_work(TINY, rows, length, head_recompute=logit_chunk_size > 0)
+  assert _dot_flops(jaxpr.jaxpr) == work.flops
