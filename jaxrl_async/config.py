@@ -116,6 +116,9 @@ class RunConfig:
   # No policy version for this long: print every thread's stack, checkpoint if possible, exit 3.
   watchdog_timeout_s: float | None = 1800.0
   watchdog_startup_s: float | None = 3600.0  # the bound for the first version (compilation)
+  # How long the watchdog lets its rescue (stop the roles, write a checkpoint) take before it
+  # exits anyway; a large model's checkpoint may need more.
+  watchdog_rescue_s: float = 60.0
   # Beside metrics.jsonl: 'tensorboard' (when tensorboardX is installed), 'wandb' (offline).
   metric_sinks: tuple[str, ...] = ("tensorboard",)
   # An async run writes its schedule (every update's groups, every sample's key, tokens,
@@ -130,6 +133,8 @@ class RunConfig:
     for name in ("watchdog_timeout_s", "watchdog_startup_s"):
       if getattr(self, name) is not None and not getattr(self, name) > 0:
         raise ValueError(f"{name} must be > 0 or None (off), got {getattr(self, name)}")
+    if not self.watchdog_rescue_s > 0:
+      raise ValueError(f"watchdog_rescue_s must be > 0, got {self.watchdog_rescue_s}")
     _choice("staleness_controller", self.staleness_controller, CONTROLLERS)
     _positive_int("staleness_window_versions", self.staleness_window_versions)
     if self.adaptive_staleness:

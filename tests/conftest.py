@@ -25,7 +25,15 @@ if "JAXRL_ASYNC_TEST_ROOT" not in os.environ:
 TEST_CACHE = os.path.join(os.environ["JAXRL_ASYNC_TEST_ROOT"], "cache")
 
 
-import pytest  # noqa: E402  (after the environment is set)
+import jax  # noqa: E402  (after the environment is set)
+import pytest  # noqa: E402
+
+# The tests compile hundreds of small programs, and XLA's optimisation passes are most of that
+# compile time while gaining little at these shapes: a test not marked slow runs with them off
+# (JAXRL_ASYNC_TEST_XLA_OPT=1 keeps them on everywhere). Slow tests (long runs, where the
+# programs' speed matters more than their compile time) and the runs tests start as
+# subprocesses compile as a user's run does.
+XLA_OPT_EVERYWHERE = bool(os.environ.get("JAXRL_ASYNC_TEST_XLA_OPT"))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -41,6 +49,11 @@ def warm_start_cache():
     os.environ["JAXRL_ASYNC_CACHE"] = previous
 
 
+def pytest_runtest_setup(item):
+  """Before the test's fixtures are built (a module's fixtures follow its first test)."""
+  slow = item.get_closest_marker("slow") is not None
+  jax.config.update("jax_disable_most_optimizations", not (slow or XLA_OPT_EVERYWHERE))
+
 
 def _expected_length(item) -> tuple[int, int]:
   slow = item.get_closest_marker("slow") is not None
@@ -50,11 +63,34 @@ def _expected_length(item) -> tuple[int, int]:
 
 
 def pytest_collection_modifyitems(items):
-  """Modules with slow tests first, the longest bound first: with pytest-xdist, a long test that
-  starts last keeps one worker busy after the other has run out of work. A module's tests stay
-  together, in their order (its module-scoped fixtures are built once)."""
+  """A soak is also slow (`-m "not slow"` leaves it out). Modules with slow tests first, the
+  longest bound first: with pytest-xdist, a long test that starts last keeps one worker busy
+  after the other has run out of work. A module's tests stay together, in their order (its
+  module-scoped fixtures are built once)."""
+  for item in items:
+    if item.get_closest_marker("soak") is not None and item.get_closest_marker("slow") is None:
+      item.add_marker(pytest.mark.slow)
   rank: dict[str, tuple[int, int]] = {}
   for item in items:
     rank[item.nodeid.split("::")[0]] = min(rank.get(item.nodeid.split("::")[0], (1, 0)),
                                            _expected_length(item))
   items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])  # stable within a module
+
+
+if os.environ.get("JAXRL_ASYNC_TEST_CPU_LOG"):  # per-test CPU seconds, to find what to trim
+  import json
+  import resource
+  import time
+
+  @pytest.hookimpl(hookwrapper=True)
+  def pytest_runtest_protocol(item, nextitem):
+    def cpu() -> float:
+      own = resource.getrusage(resource.RUSAGE_SELF)
+      children = resource.getrusage(resource.RUSAGE_CHILDREN)
+      return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+    began, (own0, children0) = time.monotonic(), cpu()
+    yield
+    own1, children1 = cpu()
+    with open(os.environ["JAXRL_ASYNC_TEST_CPU_LOG"], "a", encoding="utf-8") as f:
+      f.write(json.dumps({"test": item.nodeid, "wall": time.monotonic() - began,
+                          "own": own1 - own0, "children": children1 - children0}) + "\n")

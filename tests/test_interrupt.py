@@ -34,12 +34,7 @@ def _config(task, total):
                    reward_workers=1)
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-  monkeypatch.setenv("JAXRL_ASYNC_CACHE", str(tmp_path / "cache"))
-
-
-def test_interrupt_before_update_checkpoints_the_version_boundary(tmp_path, cache):
+def test_interrupt_before_update_checkpoints_the_version_boundary(tmp_path):
   run_dir = str(tmp_path / "run")
   per_version = 2 * 4
   # 8 evaluation calls at version 0, versions 0 and 1 (16 calls), then Ctrl-C in version 2.

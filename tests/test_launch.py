@@ -56,10 +56,11 @@ def train_args(run_dir, *bindings, gin_file=SYNC_GIN):
     ("RunConfig.buffer_capacity = 4", "buffer_capacity"),  # below the admission bound
     ("RunConfig.group_filter = 'sometimes'", "group_filter"),
     ("RunConfig.watchdog_timeout_s = 0.0", "watchdog_timeout_s"),
+    ("RunConfig.watchdog_rescue_s = -1.0", "watchdog_rescue_s"),
     ("RunConfig.group_size = 4 4", "group_size"),  # gin syntax: the line is quoted
 ], ids=["unknown", "learning_rate", "group_size", "cache_length", "mode", "staleness",
         "typo", "wrong_type", "float_for_int", "contradiction", "capacity", "group_filter",
-        "watchdog", "syntax"])
+        "watchdog", "rescue", "syntax"])
 def test_bad_setting_exits_2_naming_it(tmp_path, capsys, binding, named):
   run_dir = tmp_path / "run"
   assert train.main(train_args(run_dir, *TINY_RUN, binding)) == 2

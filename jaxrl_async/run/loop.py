@@ -257,6 +257,7 @@ def _run(parts: Parts, backend: Backend, connection: Connection, run_dir, *, res
             f"ledger {ledger.offset()} bytes")
 
   watchdog = Watchdog(cfg.watchdog_timeout_s, startup_s=cfg.watchdog_startup_s,
+                      rescue_s=cfg.watchdog_rescue_s,
                       describe=describe, rescue=rescue)
   try:
     if evaluated != version:  # a resumed run evaluated its checkpoint's version already

@@ -97,6 +97,7 @@ def run_sync(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print):
 
   boundary = None
   watchdog = Watchdog(cfg.watchdog_timeout_s, startup_s=cfg.watchdog_startup_s,
+                      rescue_s=cfg.watchdog_rescue_s,
                       describe=describe)
   try:
     with watchdog:
