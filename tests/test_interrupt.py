@@ -31,7 +31,7 @@ def _config(task, total):
   return RunConfig(task=task, group_size=4, mini_batch_size=2, total_samples=total,
                    warm_start=WarmStartConfig(steps=10, batch_size=8), max_concurrent_decodes=8,
                    eval_size=8, eval_every_versions=100, checkpoint_every_versions=100,
-                   reward_workers=1)
+                   reward_workers=1, precompile_updates=False)
 
 
 def test_interrupt_before_update_checkpoints_the_version_boundary(tmp_path):

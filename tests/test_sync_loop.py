@@ -22,7 +22,7 @@ def test_each_version_trains_on_exactly_the_groups_it_generated(tmp_path):
                      mini_batch_size=2, trigger_parameter_sync_step=2,
                      total_samples=NUM_VERSIONS * GROUPS_PER_VERSION * GROUP_SIZE,
                      max_concurrent_decodes=8, eval_size=16, eval_every_versions=10,
-                     checkpoint_every_versions=10, debug_checks=True)
+                     checkpoint_every_versions=10, debug_checks=True, precompile_updates=False)
   assert config.groups_per_version == GROUPS_PER_VERSION
   summary = api.run(config, tmp_path / "run", progress=False, log=lambda *a: None)
 
