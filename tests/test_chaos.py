@@ -52,8 +52,9 @@ def test_kill_9_at_random_points_loses_and_duplicates_nothing(tmp_path, gin_file
   assert report["summary"]["eval/accuracy"] >= 0.85
 
 
-# The default task cut to 200 versions, where a clean run's held-out accuracy is about 0.81
-# (0.78 at 100, 0.80 at 150); with 1024 held-out problems its standard error is about 0.012.
+# The default task cut to 200 versions: a clean run's held-out accuracy is about 0.78 at 100 and
+# 0.80 at 150, and a run with three kills reached 0.85 at 200 (seed 115214927); with 1024
+# held-out problems the standard error is about 0.012.
 SHORT_VERSIONS = 200
 SHORT_KILL_HITS = {**run_lives.KILL_HITS, "buffer.get_groups": (5, 50),
                    "learner.take_publish": (5, 40), "sync.publish": (5, 40),
@@ -69,7 +70,7 @@ def test_kill_9_on_the_default_task_keeps_a_clean_runs_accuracy(tmp_path):
       f"RunConfig.total_samples = {SHORT_VERSIONS * 64}",), 3, ALL_POINTS, SHORT_KILL_HITS)
   run_lives.check_books(report, SHORT_VERSIONS)
   assert history["kills"] >= 3
-  assert report["summary"]["eval/accuracy"] >= 0.75
+  assert report["summary"]["eval/accuracy"] >= 0.78
 
 
 @pytest.mark.slow
