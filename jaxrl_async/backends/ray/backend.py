@@ -52,6 +52,7 @@ REISSUE_REASONS = ("actor_restarted", "server_unresponsive")
 RESTART_WAIT_S = 300.0  # how long the driver waits for Ray to bring a killed actor back
 MAX_RESTARTS = 8
 SILENCE_MIN_S = 60.0
+LOAD_POLL_S = 0.5  # how often a stop asks whether a weight load has ended
 
 
 class RolloutActorFailed(RoleFailed):
@@ -107,6 +108,7 @@ class RayFleet(Fleet):
     self._last_answer = [time.monotonic()] * self.num_servers
     self._constructor_args: list[list] = []
     self._load_deadline_missed = 0
+    self._killed: list[str | None] = [None] * self.num_servers  # client ids killed here
 
   @property
   def restarts(self) -> int:
@@ -186,20 +188,37 @@ class RayFleet(Fleet):
           self._last_answer[index] = now
         continue
       self._last_answer[index] = time.monotonic()
-      if health.get("client_id") != self.last_health[index].get("client_id") and (
-          self.last_health[index]):
-        self.retire(index)
-      self.last_health[index] = health
-      keep_spans(self.pending_spans, health)
+      self._take_answer(index, health)
       if health["error"] is not None:
         raise RolloutActorFailed(f"rollout actor {index} failed: {health['error']}")
       if load_overdue(health, self.config.sync_load_deadline_s):
-        self.log(f"rollout actor {index} still loading weights after "
-                 f"{self.config.sync_load_deadline_s} s: killed, Ray restarts it")
-        self._load_deadline_missed += 1
-        self._get(self.buffer_actor.note_unresponsive.remote(index))
-        self.ray.kill(actor, no_restart=False)
+        self._restart_stuck(index, f"still loading weights after "
+                            f"{self.config.sync_load_deadline_s} s", deadline=True)
     self._write_status()
+
+  def _take_answer(self, index: int, answer: dict) -> None:
+    """A health (or stop) answer of actor `index`: an answer of a new incarnation first keeps
+    its predecessor's counts in the run's totals."""
+    if self.last_health[index] and (
+        answer.get("client_id") != self.last_health[index].get("client_id")):
+      self.retire(index)
+    self.last_health[index] = answer
+    keep_spans(self.pending_spans, answer)
+
+  def _restart_stuck(self, index: int, why: str, *, deadline: bool) -> None:
+    """Kills the incarnation of actor `index` that answered last, so that Ray restarts it and
+    the new one claims its groups and its group numbering from the buffer actor. An answer
+    still coming from an incarnation already killed here is not killed again: that kill would
+    land on its successor."""
+    client_id = self.last_health[index].get("client_id")
+    if client_id is not None and client_id == self._killed[index]:
+      return
+    self._killed[index] = client_id
+    self.log(f"rollout actor {index} {why}: killed, Ray restarts it")
+    if deadline:
+      self._load_deadline_missed += 1
+    self._get(self.buffer_actor.note_unresponsive.remote(index))
+    self.ray.kill(self.actors[index], no_restart=False)
 
   def _each(self, method: str, timeout: float) -> list[Any]:
     return [self._call(index, method, timeout) for index in range(self.num_servers)]
@@ -219,6 +238,34 @@ class RayFleet(Fleet):
     return {"ray/rollout_nodes": nodes,
             "ray/driver_node": self.ray.get_runtime_context().get_node_id()}
 
+  def _stop_one(self, index: int, timeout: float) -> None:
+    """Stops actor `index`; its answer (final counts, drops, next group id) must come from
+    the incarnation that holds the actor's groups. A server in a weight load gets until
+    `sync_load_deadline_s` to finish it (a stop waits for the load); a server still loading
+    past it, or whose stop fails in its role (stuck), is killed as the heartbeat would kill it,
+    and the stop goes to the incarnation Ray restarts, which claimed every group and the
+    numbering of the stuck one."""
+    deadline_s = self.config.sync_load_deadline_s
+    while deadline_s is not None:
+      health = self._call(index, "health", RESTART_WAIT_S)  # a restart may be under way
+      self._take_answer(index, health)
+      loading_s = (health.get("sync") or {}).get("loading_s")
+      if loading_s is None:
+        break
+      if loading_s > deadline_s:
+        self._restart_stuck(index, f"still loading weights after {deadline_s} s at the stop",
+                            deadline=True)
+        break
+      time.sleep(min(LOAD_POLL_S, deadline_s - loading_s + 0.05))
+    try:
+      answer = self._call(index, "stop", timeout)
+    except RolloutActorFailed:
+      raise
+    except Exception as error:  # raised in the server's role: it could not stop
+      self._restart_stuck(index, f"did not stop ({error!r})", deadline=False)
+      answer = self._call(index, "stop", timeout)
+    self._take_answer(index, answer)
+
   def stop(self, timeout: float = 60.0) -> None:
     """Stops every actor; rollout_servers.json then names the incarnations that stopped (a
     restart after the last heartbeat is known only from the stop's answer)."""
@@ -228,8 +275,7 @@ class RayFleet(Fleet):
         continue
       stopped = True
       try:
-        self.last_health[index] = self._call(index, "stop", timeout) or self.last_health[index]
-        keep_spans(self.pending_spans, self.last_health[index])
+        self._stop_one(index, timeout)
         warn_unscored(index, self.last_health[index], self.log)
       except Exception as error:  # reported; the actor is killed either way
         self.log(f"rollout actor {index} did not stop cleanly ({error!r}): killed")
