@@ -30,7 +30,8 @@ BINDINGS = run_lives.TINY_BINDINGS + (
 def replay_cli(run_dir, *args, timeout_s=300) -> dict:
   out = os.path.join(str(run_dir), "replay-report.json")
   result = subprocess.run([sys.executable, "-m", "launch.replay", str(run_dir), *args,
-                           "--out", out], cwd=run_lives.ROOT, env=run_lives.environment(),
+                           "--out", out], cwd=run_lives.ROOT,
+                          env=run_lives.environment(tiny=True),  # compiled as the run was
                           capture_output=True, text=True, timeout=timeout_s, check=False)
   assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
   with open(out, encoding="utf-8") as f:

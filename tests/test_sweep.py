@@ -8,6 +8,7 @@ import os
 import pytest
 
 from launch import sweep
+from tests import run_lives
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                        "launch", "sweeps", "staleness_x_trigger.py")
@@ -52,7 +53,9 @@ def test_bad_sweep_files_are_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_four_trial_sweep_completes_and_resume_skips_it(tmp_path):
+def test_four_trial_sweep_completes_and_resume_skips_it(tmp_path, monkeypatch):
+  for name, value in run_lives.TINY_ENV.items():  # the trials are tiny runs
+    monkeypatch.setenv(name, value)
   root = tmp_path / "sweep"
   logs = []
   rows = sweep.run_sweep(EXAMPLE, root=str(root), parallel=2, extra_bindings=TINY,
