@@ -39,7 +39,9 @@ def command(run_dir, gin_file, bindings, *, resume=False):
 
 # A tiny run's programs are compiled without XLA's optimisation passes: most of a tiny
 # program's compile time, and no slower to run at these shapes (100 versions: the same time).
-TINY_ENV = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
+# JAXRL_ASYNC_TEST_XLA_OPT=1 keeps them on (tests/conftest.py).
+TINY_ENV = ({} if os.environ.get("JAXRL_ASYNC_TEST_XLA_OPT")
+            else {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"})
 
 
 def environment(faults_plan: str | None = None, *, tiny: bool = False) -> dict:
