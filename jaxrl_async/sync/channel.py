@@ -59,6 +59,20 @@ class WeightChannel:
       self._cond.wait_for(lambda: self._version > newer_than, timeout=timeout)
       return self._version
 
+  def _poll_for_version(self, newer_than: int, timeout: float, poll_s: float) -> int:
+    """`wait_for_version` for a channel whose `latest_version` reads shared state: wakes at once
+    for a version this object published, and polls every `poll_s` for versions written by
+    another process."""
+    _check_timeout(timeout)
+    deadline = time.monotonic() + timeout
+    while True:
+      latest = self.latest_version()
+      remaining = deadline - time.monotonic()
+      if latest > newer_than or remaining <= 0:
+        return latest
+      with self._cond:
+        self._cond.wait_for(lambda: self._version > newer_than, timeout=min(poll_s, remaining))
+
   def _check_newer(self, version: int, published: int) -> None:
     if version <= published:
       raise ValueError(f"version {version} is not newer than the published {published}")
@@ -222,21 +236,8 @@ class OrbaxStoreChannel(WeightChannel):
     return max(versions, default=-1)
 
   def wait_for_version(self, newer_than: int, timeout: float) -> int:
-    """Block until a version > newer_than is on disk (or timeout); returns the latest.
-
-    Wakes at once for a version this object published, and polls the directory for versions
-    written by another process.
-    """
-    _check_timeout(timeout)
-    deadline = time.monotonic() + timeout
-    while True:
-      latest = self.latest_version()
-      remaining = deadline - time.monotonic()
-      if latest > newer_than or remaining <= 0:
-        return latest
-      with self._cond:
-        self._cond.wait_for(lambda: self._version > newer_than,
-                            timeout=min(STORE_POLL_S, remaining))
+    """Block until a version > newer_than is on disk (or timeout); returns the latest."""
+    return self._poll_for_version(newer_than, timeout, STORE_POLL_S)
 
   def _restore_target(self):
     if self.rollout_mesh is None:

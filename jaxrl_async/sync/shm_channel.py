@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from jaxrl_async import sharding
-from jaxrl_async.sync.channel import WeightChannel, _check_timeout
+from jaxrl_async.sync.channel import WeightChannel
 
 ALIGN = 64
 HEADER_BYTES = ALIGN
@@ -133,16 +133,7 @@ class SharedMemoryWeightChannel(WeightChannel):
     return -1 if latest < 0 else int(self._header[_version_index(latest)])
 
   def wait_for_version(self, newer_than: int, timeout: float) -> int:
-    _check_timeout(timeout)
-    deadline = time.monotonic() + timeout
-    while True:
-      latest = self.latest_version()
-      remaining = deadline - time.monotonic()
-      if latest > newer_than or remaining <= 0:
-        return latest
-      with self._cond:
-        self._cond.wait_for(lambda: self._version > newer_than,
-                            timeout=min(WAIT_POLL_S, remaining))
+    return self._poll_for_version(newer_than, timeout, WAIT_POLL_S)
 
   def read_host(self) -> tuple[int, object]:
     """(version, params as numpy arrays) of the latest complete version."""

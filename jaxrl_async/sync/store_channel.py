@@ -37,7 +37,7 @@ import numpy as np
 from jaxrl_async import faults, sharding
 from jaxrl_async.sync import delta as delta_lib
 from jaxrl_async.sync import store_format as fmt
-from jaxrl_async.sync.channel import WeightChannel, _check_timeout
+from jaxrl_async.sync.channel import WeightChannel
 
 POLL_S = 0.05  # how often a waiting reader lists the directory
 LOAD_RETRY_S = 1.0  # a failed load is tried again after this long
@@ -214,16 +214,7 @@ class TensorStoreChannel(WeightChannel):
     return versions[-1] if fulls else held
 
   def wait_for_version(self, newer_than: int, timeout: float) -> int:
-    _check_timeout(timeout)
-    deadline = time.monotonic() + timeout
-    while True:
-      latest = self.latest_version()
-      remaining = deadline - time.monotonic()
-      if latest > newer_than or remaining <= 0:
-        return latest
-      with self._cond:
-        self._cond.wait_for(lambda: self._version > newer_than,
-                            timeout=min(POLL_S, remaining))
+    return self._poll_for_version(newer_than, timeout, POLL_S)
 
   def fetch(self):
     """(version, params on this process's devices) of the newest version this end can load."""
