@@ -63,7 +63,7 @@ def cut_back(run_dir, version: int | None) -> list[int]:
   return removed
 
 
-def encode_groups(groups, seed: int) -> dict[str, list[np.ndarray]]:
+def encode_groups(groups) -> dict[str, list[np.ndarray]]:
   """The groups' columns (lists of arrays, one entry per group, concatenated at a flush)."""
   columns: dict[str, list] = {name: [] for name in GROUP_COLUMNS + SAMPLE_COLUMNS}
   for group in groups:
@@ -76,7 +76,6 @@ def encode_groups(groups, seed: int) -> dict[str, list[np.ndarray]]:
     columns["meta"].append(np.frombuffer((json.dumps(meta) + "\n").encode(), np.uint8))
     members = [int(s.meta.get("index_in_group", 0)) for s in group]
     columns["member"].append(np.asarray(members, np.int32))
-    columns["key"].append(sample_keys(seed, first.group_id, members))
     columns["reward"].append(np.asarray([s.reward for s in group], np.float64))
     columns["finish"].append(np.asarray([FINISH_REASONS.index(str(s.finish_reason))
                                          for s in group], np.uint8))
@@ -91,6 +90,13 @@ def encode_groups(groups, seed: int) -> dict[str, list[np.ndarray]]:
       columns["segment_version"].append(versions)
       columns["segment_length"].append(lengths)
   return columns
+
+
+def _keys(seed: int, group_ids: np.ndarray, members: np.ndarray, group_size: int) -> np.ndarray:
+  """Every sample's sampling key (uint32 [N, 2]), as the rollout side made it."""
+  keys = [sample_keys(seed, int(group_id), members[g * group_size:(g + 1) * group_size])
+          for g, group_id in enumerate(group_ids)]
+  return np.concatenate(keys).astype(np.uint32) if keys else np.zeros((0, 2), np.uint32)
 
 
 def version_segments(token_versions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -153,7 +159,7 @@ class ScheduleRecorder:
                        f"{self.groups_per_update} groups")
     for local in range(len(groups) // self.groups_per_update):
       self._updates.append((learner_version, local, self.groups_per_update))
-    for name, values in encode_groups(groups, self.seed).items():
+    for name, values in encode_groups(groups).items():
       self._columns[name].extend(values)
 
   def flush(self, end_version: int) -> str:
@@ -161,7 +167,9 @@ class ScheduleRecorder:
     and starts the next one. Returns the file's path."""
     arrays = {name: (np.concatenate(values) if values else np.zeros((0,), DTYPES[name]))
               .astype(DTYPES[name], copy=False) for name, values in self._columns.items()}
-    arrays["key"] = arrays["key"].reshape(-1, 2)
+    # The keys at the flush (the run is paused for its checkpoint), not per version on the
+    # learner's path: one device call per group.
+    arrays["key"] = _keys(self.seed, arrays["group_id"], arrays["member"], self.group_size)
     tokens = arrays["response_tokens"]
     if not len(tokens) or (tokens.min() >= 0 and tokens.max() < 2 ** 16):
       arrays["response_tokens"] = tokens.astype(np.uint16)
