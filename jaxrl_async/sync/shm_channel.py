@@ -5,6 +5,7 @@ processes attach to it by name (`attach`). The segment holds a header and two sl
 whole copy of the params:
 
   header (int64): [latest slot (-1 = none), seq_0, version_0, seq_1, version_1]
+  wake word:      int32 at byte 40 of the header, changed at every publish after `latest`
   slot s:         every leaf's bytes, in `jax.tree.leaves` order, each 64-byte aligned
 
 `publish` writes into the slot that is not the latest, under a seqlock: the slot's seq turns odd,
@@ -15,8 +16,11 @@ mean a reader only retries when two versions are published during one copy. One 
 learner) per segment. The ordering relies on the host's stores being seen in program order
 (x86-64 and the numpy stores used here; a weaker memory model would need fences).
 
-Waiting for a version written by another process polls the header (`WAIT_POLL_S`); a version
-published by this object wakes waiters at once.
+A reader waiting for a version sleeps on the wake word (a futex, `sync/futex.py`): `publish`
+changes it and wakes every waiting process at once, so a new version reaches an idle rollout
+server within microseconds instead of half a polling interval. Each sleep lasts at most
+`recheck_s` before the header is read again; where futexes are not available the wait polls the
+header every `WAIT_POLL_S`.
 """
 
 from __future__ import annotations
@@ -29,11 +33,16 @@ import jax
 import numpy as np
 
 from jaxrl_async import sharding
-from jaxrl_async.sync.channel import WeightChannel
+from jaxrl_async.sync import futex
+from jaxrl_async.sync.channel import WeightChannel, _check_timeout
 
 ALIGN = 64
 HEADER_BYTES = ALIGN
 WAIT_POLL_S = 0.002
+# With futexes: the longest one sleep lasts before the header is read again (a safety net only:
+# every publish wakes the sleepers).
+RECHECK_S = 0.05
+_WAKE_WORD_OFFSET = 40
 FETCH_RETRIES = 1000
 _LATEST = 0
 
@@ -61,8 +70,12 @@ class SharedMemoryWeightChannel(WeightChannel):
   """`publish` in the creating process, `fetch` / `wait_for_version` in any process."""
 
   def __init__(self, segment: shared_memory.SharedMemory, abstract_params, *, owner: bool,
-               logical_axes=None, rollout_mesh=None):
+               logical_axes=None, rollout_mesh=None, recheck_s: float | None = None):
     super().__init__()
+    if recheck_s is None:
+      recheck_s = RECHECK_S if futex.AVAILABLE else WAIT_POLL_S
+    _check_timeout(recheck_s)
+    self.recheck_s = float(recheck_s)
     self._segment = segment
     self._owner = owner
     self.name = segment.name
@@ -74,6 +87,7 @@ class SharedMemoryWeightChannel(WeightChannel):
     self.nbytes = sum(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
                       for _, shape, dtype in self._leaves)
     self._header = np.ndarray((5,), np.int64, buffer=segment.buf, offset=0)
+    self._wake_word = futex.word(segment.buf, _WAKE_WORD_OFFSET)
     self._fetched: tuple[int, object] | None = None
     self.retries = 0  # copies thrown away because a publish overlapped them
 
@@ -83,6 +97,7 @@ class SharedMemoryWeightChannel(WeightChannel):
     segment = shared_memory.SharedMemory(create=True, size=HEADER_BYTES + 2 * slot_bytes)
     channel = cls(segment, abstract_params, owner=True, **kwargs)
     channel._header[:] = (-1, 0, -1, 0, -1)
+    channel._wake_word[0] = 0
     return channel
 
   @classmethod
@@ -125,6 +140,7 @@ class SharedMemoryWeightChannel(WeightChannel):
     header[_version_index(slot)] = version
     header[_seq_index(slot)] += 1  # even: complete
     header[_LATEST] = slot
+    futex.bump_and_wake(self._wake_word)  # after `latest`: a woken reader sees the version
     self._announce(version, time.perf_counter() - began, self.nbytes)
 
   # ---- readers --------------------------------------------------------------------------------
@@ -133,7 +149,19 @@ class SharedMemoryWeightChannel(WeightChannel):
     return -1 if latest < 0 else int(self._header[_version_index(latest)])
 
   def wait_for_version(self, newer_than: int, timeout: float) -> int:
-    return self._poll_for_version(newer_than, timeout, WAIT_POLL_S)
+    """Blocks until a version > newer_than is published (by any process) or `timeout`;
+    returns the latest. Sleeps on the wake word: no polling where futexes exist."""
+    if not futex.AVAILABLE:
+      return self._poll_for_version(newer_than, timeout, self.recheck_s)
+    _check_timeout(timeout)
+    deadline = time.monotonic() + timeout
+    while True:
+      seen = int(self._wake_word[0])  # before the version: a publish in between changes it
+      latest = self.latest_version()
+      remaining = deadline - time.monotonic()
+      if latest > newer_than or remaining <= 0:
+        return latest
+      futex.wait(self._wake_word, seen, min(self.recheck_s, remaining))
 
   def read_host(self) -> tuple[int, object]:
     """(version, params as numpy arrays) of the latest complete version."""
@@ -169,6 +197,7 @@ class SharedMemoryWeightChannel(WeightChannel):
   def close(self) -> None:
     """Releases this process's mapping; the creator also removes the segment."""
     self._header = None
+    self._wake_word = None
     self._fetched = None
     # A numpy view still alive somewhere keeps the mapping; it goes with the view.
     with contextlib.suppress(BufferError):

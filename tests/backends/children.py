@@ -57,6 +57,22 @@ def read_consistently(kind: str, location: str, last_version: int, out_path: str
   os.replace(out_path + ".tmp", out_path)
 
 
+def wait_for_a_version(location: str, out_path: str, recheck_s: float) -> None:
+  """Attaches to a shared-memory channel whose reader looks at the header only every
+  `recheck_s` seconds, waits (timeout recheck_s) for a version > 0 and records what it got."""
+  from jaxrl_async.sync.shm_channel import SharedMemoryWeightChannel
+  channel = SharedMemoryWeightChannel.attach(location, tiny_abstract(), recheck_s=recheck_s)
+  try:
+    with open(out_path + ".ready", "w", encoding="utf-8") as f:
+      f.write("ready")
+    latest = channel.wait_for_version(0, timeout=recheck_s)
+  finally:
+    channel.close()
+  with open(out_path + ".tmp", "w", encoding="utf-8") as f:
+    json.dump({"latest": latest}, f)
+  os.replace(out_path + ".tmp", out_path)
+
+
 def produce_groups(address, authkey, num_groups: int, out_path: str) -> None:
   """Admits and puts `num_groups` whole groups of 2 through a remote buffer client."""
   from jaxrl_async.backends.processes.buffer_service import RemoteBufferClient

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxrl_async.backends.processes import child
-from jaxrl_async.sync import DeviceTransferChannel, OrbaxStoreChannel
+from jaxrl_async.sync import DeviceTransferChannel, OrbaxStoreChannel, futex
 from jaxrl_async.sync.shm_channel import SharedMemoryWeightChannel
 
 from .children import filled, tiny_abstract
@@ -105,6 +105,48 @@ def test_shared_memory_rejects_params_of_another_shape(abstract):
       SharedMemoryWeightChannel.attach(channel.name, jax.tree.map(
           lambda a: np.zeros((a.shape[0] * 4,) + a.shape[1:], a.dtype), abstract))
   finally:
+    channel.close()
+
+
+@pytest.mark.skipif(not futex.AVAILABLE, reason="no futexes: shared memory is polled")
+def test_a_publish_wakes_a_reader_in_another_process(abstract, tmp_path):
+  """The reader looks at the header only every 600 s: it returns within TIMEOUT_S only if the
+  publish woke it (a lost wake-up, or a wait that polls, keeps it asleep past the deadline)."""
+  channel = SharedMemoryWeightChannel.create(abstract)
+  out = str(tmp_path / "woken.json")
+  reader = child.spawn("tests.backends.children:wait_for_a_version",
+                       (channel.name, out, 600.0), name="channel-sleeper")
+  try:
+    deadline = time.monotonic() + 120.0
+    while not os.path.exists(out + ".ready"):
+      assert reader.is_alive() and time.monotonic() < deadline, "the reader did not start"
+      time.sleep(0.05)
+    reader.join(0.5)  # most likely asleep on the wake word by now
+    channel.publish(1, filled(abstract, 1.0))
+    reader.join(TIMEOUT_S)
+    assert reader.exitcode == 0, "the reader was not woken by the publish"
+    with open(out, encoding="utf-8") as f:
+      assert json.load(f) == {"latest": 1}
+  finally:
+    child.kill(reader)
+    channel.close()
+
+
+def test_a_reader_in_this_process_is_woken_without_rechecks(abstract):
+  channel = SharedMemoryWeightChannel.create(abstract)
+  reader = SharedMemoryWeightChannel.attach(channel.name, abstract, recheck_s=600.0)
+  result = {}
+  waiter = threading.Thread(
+      target=lambda: result.update(latest=reader.wait_for_version(0, timeout=600.0)),
+      name="shm-waiter", daemon=True)
+  try:
+    waiter.start()
+    waiter.join(0.2)
+    channel.publish(1, filled(abstract, 1.0))
+    waiter.join(TIMEOUT_S)
+    assert not waiter.is_alive() and result == {"latest": 1}
+  finally:
+    reader.close()
     channel.close()
 
 
