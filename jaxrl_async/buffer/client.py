@@ -53,8 +53,10 @@ class BufferClient(abc.ABC):
     describes the groups in the order they would start (`{'problem', 'group_id', 'missing',
     'prompt_state', 'next_group_id'}`): a remote buffer records the admitted ones in the same
     call, so a rollout server that dies holds no admission nobody knows about.
-    `holding_version` is the weights version the caller generates with (informational: a
-    remote buffer opens a window only once every server holds its version).
+    `holding_version` is the weights version the caller generates with: a version newer than
+    the one it last published is published first (as `publish_version`), in the same call, so
+    a rollout server's first ask after a weight swap is one round trip, not two. (A remote
+    buffer opens a window only once every server holds its version.)
     """
 
   @abc.abstractmethod
@@ -101,10 +103,12 @@ class LocalBufferClient(BufferClient):
     self.buffer.put_many(samples, timeout, one_deadline=True)
 
   def acquire_group_slots(self, max_count, timeout, *, starts=None, holding_version=None):
-    del starts, holding_version  # in one process the roles share their fate: nothing to record
+    del starts  # in one process the roles share their fate: nothing to record
     check_acquire_args(max_count, timeout)
     if self.buffer.closed:
       raise BufferClosed("acquire_group_slots: the buffer is closed")
+    if holding_version is not None and holding_version > self.buffer.rollout_version:
+      self.buffer.publish_version(holding_version)
     acquired = 0
     if timeout > 0:
       try:

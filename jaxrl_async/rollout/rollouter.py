@@ -166,6 +166,10 @@ class Rollouter(RoleThread):
     self.counts["interrupted"] += interrupted
     self.counts["swaps"] += 1
     self._draining = False
+    self._hold_version(version)
+
+  def _hold_version(self, version: int) -> None:
+    """Tells the buffer this role now generates with `version` (opens its window)."""
     self.buffer.publish_version(version)
 
   def _admit(self) -> None:

@@ -6,6 +6,8 @@ Same loop and semantics as `rollout/rollouter.py`; what changes is how it meets 
   it would start (`starts`), so the buffer records the admitted ones in the same call. Prompts
   drawn for groups that were not admitted wait in `_peeked` for the next turn;
 - group ids advance by `group_id_stride` (server k of K: k, k + K, ...);
+- after a weight swap the new version reaches the buffer with the next admission ask
+  (`holding_version`), in the same round trip; only a turn that asks nothing publishes it alone;
 - once the buffer has admitted fewer groups than asked, the window is spent: the server asks
   again only under a new version (a new window) or after `poll_s` (a drop may have refunded a
   slot), not at every decode step. Each ask is a round trip to the learner's process, which
@@ -33,6 +35,7 @@ class ServerRollouter(Rollouter):
     self.group_id_stride = group_id_stride
     self._peeked: list[dict[str, Any]] = []  # drawn, not admitted yet (no admission held)
     self._spent: tuple[int, float] | None = None  # (version, when) the window ran out
+    self._unannounced: int | None = None  # swapped to, not yet told to the buffer
     self.counts["unstarted_shutdown"] = 0  # drawn prompts never admitted, at the stop
 
   def _holds_admission(self, entry: dict) -> bool:
@@ -47,7 +50,16 @@ class ServerRollouter(Rollouter):
     entry["next_group_id"] = self.next_group_id
     return entry
 
+  def _hold_version(self, version: int) -> None:
+    self._unannounced = version  # goes with this turn's admission ask (`_admit`)
+
   def _admit(self) -> None:
+    self._admit_groups()
+    if self._unannounced is not None:  # no ask this turn: the buffer must still learn it
+      version, self._unannounced = self._unannounced, None
+      self.buffer.publish_version(version)
+
+  def _admit_groups(self) -> None:
     if self._draining:
       return
     limit = admission_room(self.batcher.engine.max_concurrent_decodes, self.group_size)
@@ -76,6 +88,7 @@ class ServerRollouter(Rollouter):
       return
     count = self.buffer.acquire_group_slots(len(candidates), 0, starts=candidates,
                                             holding_version=self.batcher.version)
+    self._unannounced = None  # published by that call
     self._spent = ((self.batcher.version, time.monotonic()) if count < len(candidates)
                    else None)
     for entry in candidates[:count]:

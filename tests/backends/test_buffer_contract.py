@@ -73,6 +73,20 @@ def test_admission_takes_the_budget_then_blocks_until_a_new_version(make_client)
   assert client.acquire_group_slots(1, 0) == 0
 
 
+def test_an_ask_naming_a_newer_held_version_publishes_it_in_the_same_call(make_client):
+  client = make_client(group_size=2, groups_per_version=2, staleness_threshold=0.5)
+  client.publish_version(0)
+  assert client.acquire_group_slots(10, 0, holding_version=0) == 3
+  for group_id in range(3):
+    client.put_many(make_group(group_id, 2), timeout=5.0)
+  client.get_groups(2, 0, timeout=5.0)
+  assert client.acquire_group_slots(2, 0, holding_version=0) == 0  # window 0 is spent
+  # Version 1's window (3 slots, 1 charged to the group still queued) opens in this call.
+  assert client.acquire_group_slots(5, 0, holding_version=1) == 2
+  with pytest.raises(ValueError):
+    client.publish_version(0)  # the ask published 1: the rollout version does not go back
+
+
 def test_a_dropped_group_frees_its_admission_for_a_blocked_caller(make_client):
   client = make_client(group_size=2, groups_per_version=1, staleness_threshold=0.0)
   assert client.acquire_group_slots(1, 0) == 1

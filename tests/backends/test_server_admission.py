@@ -26,12 +26,17 @@ class CountingClient(LocalBufferClient):
   def __init__(self, buffer):
     super().__init__(buffer)
     self.calls: list[tuple[float, int, int, int]] = []  # (when, version, asked, granted)
+    self.published: list[int] = []  # publish_version calls
 
   def acquire_group_slots(self, max_count, timeout, *, starts=None, holding_version=None):
     granted = super().acquire_group_slots(max_count, timeout, starts=starts,
                                           holding_version=holding_version)
     self.calls.append((time.monotonic(), holding_version, max_count, granted))
     return granted
+
+  def publish_version(self, version):
+    super().publish_version(version)
+    self.published.append(version)
 
 
 CONFIG = RunConfig(task=DigitReverseTask(0, max_len=8), group_size=4, mini_batch_size=2,
@@ -41,8 +46,8 @@ CONFIG = RunConfig(task=DigitReverseTask(0, max_len=8), group_size=4, mini_batch
 
 @contextlib.contextmanager
 def server_on_a_real_buffer():
-  """(server, buffer, client): a rollout server in this process on the run's buffer, with
-  version 0 published; nobody consumes."""
+  """(server, buffer, client, the learner's end of the weight channel): a rollout server in
+  this process on the run's buffer, with version 0 published; nobody consumes."""
   spec = build_lib.model_spec(CONFIG)
   model_config, abstract = spec.model_config, spec.abstract_params
   _, params = split_model(init_model(model_config, seed=0))
@@ -53,7 +58,7 @@ def server_on_a_real_buffer():
   reader = SharedMemoryWeightChannel.attach(channel.name, abstract)
   server = RolloutServer(CONFIG, server_index=0, num_servers=1, buffer=client, channel=reader)
   try:
-    yield server, buffer, client
+    yield server, buffer, client, channel
   finally:
     server.stop(60.0)
     reader.close()
@@ -62,7 +67,7 @@ def server_on_a_real_buffer():
 
 
 def test_a_refused_server_waits_for_a_new_window_or_its_poll_interval():
-  with server_on_a_real_buffer() as (server, buffer, client):
+  with server_on_a_real_buffer() as (server, buffer, client, _):
     server.start(30.0)
     # Nobody consumes: the window (floor(2 * 2) = 4 groups) is spent after the first asks,
     # while the admitted groups still decode step by step.
@@ -83,11 +88,29 @@ def test_a_refused_server_waits_for_a_new_window_or_its_poll_interval():
     assert buffer.counts["put"] > 0
 
 
+def test_a_new_version_reaches_the_buffer_with_the_next_admission_ask():
+  """After a weight swap the server's first ask names the new version and opens its window in
+  that call: no separate publish_version round trip while it has room to start groups."""
+  with server_on_a_real_buffer() as (server, buffer, client, channel):
+    server.start(30.0)
+    spent = 4 * CONFIG.group_size  # the window's 4 groups, all put: the slots are empty
+    deadline = time.monotonic() + 120.0
+    while not any(c[3] < c[2] for c in client.calls) or buffer.counts["put"] < spent:
+      assert time.monotonic() < deadline, f"the window was never spent: {client.calls}"
+      time.sleep(0.05)
+    _, params = channel.fetch()
+    channel.publish(1, jax.tree.map(np.asarray, params))
+    while buffer.rollout_version < 1 or not any(c[1] == 1 for c in client.calls):
+      assert time.monotonic() < deadline, "version 1 never reached the buffer"
+      time.sleep(0.01)
+    assert client.published == [0]  # the first weights only: version 1 went with an ask
+
+
 def test_a_stopped_server_accounts_for_every_sample_it_drew():
   """Stopped while the buffer refuses it (prompts drawn and not admitted, groups in the slots):
   every sample of every group it drew is in the buffer or in the drop log of its last health
   answer, exactly once."""
-  with server_on_a_real_buffer() as (server, buffer, client):
+  with server_on_a_real_buffer() as (server, buffer, client, _):
     server.start(30.0)
     deadline = time.monotonic() + 120.0
     while not any(c[3] < c[2] for c in client.calls) or buffer.counts["put"] == 0:
@@ -110,7 +133,7 @@ def test_a_server_stopped_while_a_batch_is_scored_accounts_for_the_batch():
   drops when the stop returns, not put into the buffer after the run has closed its books."""
   faults.configure("reward.call=delay:3@1")
   try:
-    with server_on_a_real_buffer() as (server, buffer, _):
+    with server_on_a_real_buffer() as (server, buffer, _, _):
       server.start(30.0)
       deadline = time.monotonic() + 120.0
       while server.rollouter.rewarding == 0:

@@ -191,10 +191,11 @@ class BufferService:
 
   def _rpc_acquire_group_slots(self, client, max_count, timeout, starts=None,
                                holding_version=None):
-    del holding_version  # the window follows the oldest held version (module docstring)
     check_acquire_args(max_count, timeout)
     if starts is not None and len(starts) < max_count:
       raise ValueError(f"acquire_group_slots: {len(starts)} starts for max_count={max_count}")
+    if holding_version is not None and holding_version > max(client.held_version or 0, 0):
+      self._rpc_publish_version(client, holding_version)  # the window follows the oldest held
     count = self.local.acquire_group_slots(max_count, timeout)
     if starts:
       with client.cond:
