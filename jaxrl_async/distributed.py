@@ -126,17 +126,19 @@ def cluster_spec(coordinator_address: str | None = None, num_processes: int | No
   return ClusterSpec(None, 1, 0, "single")
 
 
-def initialize(spec: ClusterSpec, *, timeout_s: int = 300) -> None:
+def initialize(spec: ClusterSpec, *, timeout_s: int = 300, heartbeat_timeout_s: int = 100) -> None:
   """`jax.distributed.initialize` for a multi-process spec (a single process: nothing to do).
 
   Must run before any other JAX call. The coordinator waits up to `timeout_s` for every process
-  to join; a process that never comes fails the others with JAX's error instead of a hang.
+  to join; a process that never comes fails the others with JAX's error instead of a hang. A
+  process silent for `heartbeat_timeout_s` is taken for dead by the coordination service.
   """
   if not spec.is_distributed:
     return
   jax.distributed.initialize(coordinator_address=spec.coordinator_address,
                              num_processes=spec.num_processes, process_id=spec.process_id,
                              initialization_timeout=timeout_s,
+                             heartbeat_timeout_seconds=heartbeat_timeout_s,
                              cluster_detection_method="deactivate")
 
 
@@ -164,7 +166,8 @@ def to_global(tree, shardings):
   """
   def place(value, target):
     value = np.asarray(value)
-    return jax.make_array_from_callback(value.shape, target, lambda index: value[index])
+    return jax.make_array_from_callback(value.shape, target, lambda index: value[index],
+                                        dtype=value.dtype)
 
   return jax.tree.map(place, tree, shardings)
 

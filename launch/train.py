@@ -2,6 +2,12 @@
 
     jaxrl-async train --gin_file gin/modes/async_partial.gin --run_dir runs/demo
     python -m launch.train --gin_file gin/modes/sync.gin --gin_bindings 'RunConfig.seed = 1'
+
+A learner over several processes (`jax.distributed`, one process per host): every process runs
+the same command; the coordinator, the process count and this process's id come from
+--coordinator_address / --num_processes / --process_id, else JAX_COORDINATOR_ADDRESS /
+JAX_NUM_PROCESSES / JAX_PROCESS_ID, SLURM or a Cloud TPU slice (`jaxrl_async/distributed.py`).
+Process 0 runs the run; the others join its learner mesh (`jaxrl_async/run/multihost.py`).
 """
 
 from __future__ import annotations
@@ -18,12 +24,13 @@ import sys
 import time
 
 import gin
-from jaxrl_async import compilation_cache
+from jaxrl_async import compilation_cache, distributed
 from jaxrl_async import config as config_lib
 from jaxrl_async.checkpoint import CheckpointError, check_run_dir
 from jaxrl_async.run import api
 from jaxrl_async.run import build as build_lib
 from jaxrl_async.run.services import task_services
+from launch import train_multiprocess as multiprocess
 
 GIN_DIR = pathlib.Path(__file__).resolve().parent.parent / "gin"
 DEFAULT_GIN = "gin/modes/async_partial.gin"
@@ -39,6 +46,14 @@ def parse_args(argv=None):
   parser.add_argument("--run_dir", default=None, help="where metrics, checkpoints, config go")
   parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
   parser.add_argument("--no_progress", action="store_true", help="no progress bar")
+  parser.add_argument("--coordinator_address", default=None,
+                      help="host:port of process 0 (a multi-process learner)")
+  parser.add_argument("--num_processes", type=int, default=None)
+  parser.add_argument("--process_id", type=int, default=None)
+  parser.add_argument("--init_timeout_s", type=int, default=300,
+                      help="how long process 0 waits for every process to join")
+  parser.add_argument("--heartbeat_timeout_s", type=int, default=100,
+                      help="a process silent this long is taken for dead by jax.distributed")
   return parser.parse_args(argv)
 
 
@@ -96,12 +111,20 @@ def main(argv=None) -> int:
   with contextlib.suppress(ValueError):
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
       signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    spec = distributed.cluster_spec(args.coordinator_address, args.num_processes,
+                                    args.process_id)
+  except ValueError as error:
+    print(f"jaxrl-async train: configuration error: {error}", file=sys.stderr)
+    return 2
   compilation_cache.enable()
+  if spec.is_distributed:
+    return multiprocess.main(args, spec, _train, load_config, DEFAULT_GIN)
   with contextlib.ExitStack() as services:
     return _train(args, services)
 
 
-def _train(args, services: contextlib.ExitStack) -> int:
+def _train(args, services: contextlib.ExitStack, build=build_lib.build) -> int:
   try:
     load_config(args.gin_file or [DEFAULT_GIN], args.gin_bindings)
     # Build the RunConfig and the run's parts now, so a bad setting fails before any training.
@@ -111,7 +134,7 @@ def _train(args, services: contextlib.ExitStack) -> int:
     check_run_dir(run_dir, args.resume)
     api.check_backend(config)
     config = services.enter_context(task_services(config))  # e.g. a verifier process
-    parts = build_lib.build(config)
+    parts = build(config)
   except SyntaxError as error:  # gin's parser: quote the line, bindings are joined in order
     print(f"jaxrl-async train: configuration error: gin syntax in "
           f"{error.filename or 'the bindings'}, line {error.lineno}: {error.text!r}: "

@@ -138,14 +138,16 @@ def _exclusive(lock_path: pathlib.Path, log=print, timeout_s: float = LOCK_TIMEO
 
 
 def cached_base_policy(task, model_config: ModelConfig, config: WarmStartConfig, mesh, *,
-                       cache_dir: str | os.PathLike | None = None, log=print):
+                       cache_dir: str | os.PathLike | None = None, log=print,
+                       checkpointer=None):
   """Load the base policy for (task, model, recipe) from the cache, or train and cache it (one
-  process at a time per cache entry: the others wait for its copy)."""
+  process at a time per cache entry: the others wait for its copy). `checkpointer`: the orbax
+  checkpointer that reads and writes the cache (default: a StandardCheckpointer)."""
   directory = pathlib.Path(cache_dir or default_cache_dir()) / "base" / _cache_key(
       task, model_config, config)
   graphdef, abstract = split_model(jax.eval_shape(lambda: init_model(model_config)))
   del graphdef
-  checkpointer = ocp.StandardCheckpointer()
+  checkpointer = ocp.StandardCheckpointer() if checkpointer is None else checkpointer
   if not (directory / "params").exists():
     with _exclusive(directory.parent / f"{directory.name}.lock", log):
       if not (directory / "params").exists():  # not made while this process waited

@@ -26,6 +26,7 @@ from jax.sharding import Mesh
 
 from jaxrl_async import sharding
 from jaxrl_async.buffer import VersionedBuffer
+from jaxrl_async.checkpoint import RunCheckpointer
 from jaxrl_async.config import RunConfig
 from jaxrl_async.learner import step as step_lib
 from jaxrl_async.learner.batching import bucket_length, collate, longest_sequence, pack
@@ -159,15 +160,22 @@ class LearnerSide:
   update: AheadOfTime
   logprobs: AheadOfTime
   ref_params: object | None  # the frozen base policy's params (kl_coef > 0), else None
+  # A learner over several processes (`run/multihost.Leader`) on the controller: every step
+  # that touches the learner's global arrays goes through it, so the other processes join it.
+  multihost: object | None = None
 
   @property
   def seq_len(self) -> int:
     return self.spec.seq_len
 
 
-def build_learner_side(config: RunConfig, spec: ModelSpec, mesh: Mesh, *,
-                       log=print) -> LearnerSide:
-  if config.checkpoint is not None:
+def build_learner_side(config: RunConfig, spec: ModelSpec, mesh: Mesh, *, log=print,
+                       params=None, multihost=None) -> LearnerSide:
+  """`params`: the initial weights, already on `mesh` (a multi-process learner's); default: the
+  config's checkpoint or the cached base policy."""
+  if params is not None:
+    pass
+  elif config.checkpoint is not None:
     log(f"initial weights: {config.checkpoint.path}")
     params = config.checkpoint.load(spec.model_config, mesh, spec.logical_axes)
   else:
@@ -182,7 +190,7 @@ def build_learner_side(config: RunConfig, spec: ModelSpec, mesh: Mesh, *,
   return LearnerSide(config=config, spec=spec, mesh=mesh, initial_state=state, update=update,
                      logprobs=logprobs,
                      ref_params=copy_params(state.params) if config.learner.needs_reference
-                     else None)
+                     else None, multihost=multihost)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,6 +240,14 @@ def precompile_updates(learner: LearnerSide, eval_problems: list[Problem], *,
 
 
 # ---- what the loops share ------------------------------------------------------------------
+def run_checkpointer(learner: LearnerSide, directory, *, log=print) -> RunCheckpointer:
+  """The run's checkpointer: this process's, or a multi-process learner's (every process writes
+  and reads its shards of the learner's state)."""
+  if learner.multihost is None:
+    return RunCheckpointer(directory, log=log)
+  return learner.multihost.checkpointer(directory, log=log)
+
+
 def make_group_requests(problem: Problem, group_id: int, group_size: int, seed: int,
                         members=None, clock=time.time) -> list[GenerationRequest]:
   """One GRPO group: `group_size` samples of one prompt (or the listed members), each with its
@@ -254,17 +270,32 @@ def copy_params(params):
   return jax.tree.map(lambda x: x.copy(), params)
 
 
-def make_batch(learner: LearnerSide, groups) -> step_lib.TrainBatch:
-  """The groups as a TrainBatch on the learner mesh: packed rows (`pack_sequences`), or one row
-  per sample padded to the batch's length bucket."""
+def window_copy(learner: LearnerSide, params):
+  """A copy of the learner's current params (a version window's anchor); a multi-process
+  learner copies on every process."""
+  return copy_params(params) if learner.multihost is None else learner.multihost.copy(params)
+
+
+def rollout_params(learner: LearnerSide, params):
+  """The learner's current params as this process's rollout side takes them: as they are, or,
+  for a multi-process learner, gathered onto this process's first device."""
+  return params if learner.multihost is None else learner.multihost.host(params)
+
+
+def host_batch(learner: LearnerSide, groups) -> step_lib.TrainBatch:
+  """The groups as a host TrainBatch: packed rows (`pack_sequences`), or one row per sample
+  padded to the batch's length bucket."""
   cfg = learner.config
   if cfg.pack_sequences:
-    batch = pack(groups, learner.seq_len, num_groups=cfg.groups_per_update,
-                 row_multiple=learner.mesh.size)
-  else:
-    batch = collate(groups, bucket_length(longest_sequence(groups), learner.seq_len),
-                    num_groups=cfg.groups_per_update)
-  return step_lib.shard_batch(batch, learner.mesh)
+    return pack(groups, learner.seq_len, num_groups=cfg.groups_per_update,
+                row_multiple=learner.mesh.size)
+  return collate(groups, bucket_length(longest_sequence(groups), learner.seq_len),
+                 num_groups=cfg.groups_per_update)
+
+
+def make_batch(learner: LearnerSide, groups) -> step_lib.TrainBatch:
+  """The groups as a TrainBatch on the learner mesh (`host_batch`, sharded by rows)."""
+  return step_lib.shard_batch(host_batch(learner, groups), learner.mesh)
 
 
 def learner_update(learner: LearnerSide, state, groups, window_params, version: int,
@@ -275,8 +306,17 @@ def learner_update(learner: LearnerSide, state, groups, window_params, version: 
   'recompute' at a window's first update (local_update 0) takes the anchor from the update's own
   forward pass: the window's weights are the current ones, so a second pass would be the same.
   """
+  if learner.multihost is not None:
+    return learner.multihost.update(learner, state, host_batch(learner, groups), window_params,
+                                    version, local_update)
+  return update_on_batch(learner, state, make_batch(learner, groups), window_params, version,
+                         local_update)
+
+
+def update_on_batch(learner: LearnerSide, state, batch, window_params, version: int,
+                    local_update: int):
+  """`learner_update` on a batch already on the learner mesh."""
   cfg = learner.config
-  batch = make_batch(learner, groups)
   anchor = None
   if cfg.learner.needs_recompute and local_update > 0:
     anchor = step_lib.batch_logprobs(learner.logprobs, window_params, batch)
@@ -290,11 +330,14 @@ def learner_update(learner: LearnerSide, state, groups, window_params, version: 
 class Evaluator:
   """Held-out accuracy on its own decode state (never disturbs the rollout's slots)."""
 
-  def __init__(self, rollout: RolloutSide):
+  def __init__(self, rollout: RolloutSide, learner: LearnerSide | None = None):
     self.rollout = rollout
+    self.learner = learner  # whose params it evaluates (a multi-process one's: gathered here)
     self.batcher = rollout.new_batcher()
 
   def __call__(self, params, version: int) -> dict[str, float]:
+    if self.learner is not None:
+      params = rollout_params(self.learner, params)
     self.batcher.set_params(copy_params(params), version)
     return evaluate(self.batcher, self.rollout.task, self.rollout.eval_problems,
                     seed=self.rollout.config.seed)

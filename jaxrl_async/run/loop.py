@@ -22,7 +22,13 @@ from jaxrl_async.learner.learner import LearnerRole
 from jaxrl_async.ledger import LEDGER_FILE, SampleLedger, log_offsets, rewind_logs
 from jaxrl_async.metrics import RoleTimer
 from jaxrl_async.roles import short_gil_switch
-from jaxrl_async.run.build import Evaluator, Parts, copy_params, learner_update
+from jaxrl_async.run.build import (
+  Evaluator,
+  Parts,
+  learner_update,
+  run_checkpointer,
+  window_copy,
+)
 from jaxrl_async.run.handoff import Handoffs
 from jaxrl_async.run.records import (
   eval_record,
@@ -69,7 +75,8 @@ def make_learner_role(parts: Parts, state, buffer, channel, timer, *, start_vers
       state=state, buffer=buffer, channel=channel, timer=timer,
       update_fn=lambda st, groups, window, v, local: learner_update(learner, st, groups, window,
                                                                     v, local),
-      copy_params=copy_params, groups_per_update=cfg.groups_per_update,
+      copy_params=lambda params: window_copy(learner, params),
+      groups_per_update=cfg.groups_per_update,
       trigger_parameter_sync_step=cfg.trigger_parameter_sync_step,
       num_versions=cfg.num_versions, start_version=start_version,
       on_policy=cfg.asserts_on_policy, max_version_gap=cfg.max_version_gap,
@@ -127,7 +134,9 @@ def _run(parts: Parts, backend: Backend, connection: Connection, run_dir, *, res
          progress: bool, log):
   cfg = parts.config
   buffer, channel, fleet = connection.buffer, connection.channel, connection.fleet
-  checkpointer = RunCheckpointer(os.path.join(run_dir, "checkpoints"), log=log)
+  if parts.learner.multihost is not None:  # publishes gather the params onto this host first
+    channel = parts.learner.multihost.publishing(channel)
+  checkpointer = run_checkpointer(parts.learner, os.path.join(run_dir, "checkpoints"), log=log)
   state, version = parts.learner.initial_state, 0
   totals = {"consumed": 0, "tokens": 0}
   restores: list = [None] * cfg.num_rollout_servers
@@ -151,7 +160,7 @@ def _run(parts: Parts, backend: Backend, connection: Connection, run_dir, *, res
   timer = RoleTimer()
   writer = make_writer(run_dir, timer, cfg.metric_sinks, log=log)
   ledger = SampleLedger(os.path.join(run_dir, LEDGER_FILE))
-  evaluator = Evaluator(parts.rollout)
+  evaluator = Evaluator(parts.rollout, parts.learner)
   if run_state is not None:
     timer.start -= run_state.get("wall_s", 0.0)
     log(f"resumed from {checkpointer.directory} at policy_version {version}"

@@ -13,7 +13,6 @@ import time
 import jax
 
 from jaxrl_async import faults
-from jaxrl_async.checkpoint import RunCheckpointer
 from jaxrl_async.learner.sync_schedule import (
   Admit,
   Generate,
@@ -34,7 +33,10 @@ from jaxrl_async.run.build import (
   copy_params,
   learner_update,
   make_group_requests,
+  rollout_params,
+  run_checkpointer,
   take_ready,
+  window_copy,
 )
 from jaxrl_async.run.records import (
   eval_record,
@@ -53,7 +55,7 @@ def run_sync(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print):
   cfg = parts.config
   rollout = parts.rollout
   prompts = rollout.prompts
-  checkpointer = RunCheckpointer(os.path.join(run_dir, "checkpoints"), log=log)
+  checkpointer = run_checkpointer(parts.learner, os.path.join(run_dir, "checkpoints"), log=log)
   buffer = buffer_for(cfg)
   batcher = rollout.new_batcher()
   state = parts.learner.initial_state
@@ -74,14 +76,14 @@ def run_sync(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print):
   timer = RoleTimer()
   rollout.rewards.timer = timer  # reward scoring counts as the 'reward' role's busy time
   writer = make_writer(run_dir, timer, cfg.metric_sinks, log=log)
-  evaluator = Evaluator(rollout)
+  evaluator = Evaluator(rollout, parts.learner)
   ledger = SampleLedger(os.path.join(run_dir, LEDGER_FILE))
   if restored is not None:
     timer.start -= run_state.get("wall_s", 0.0)
     log(f"resumed from {checkpointer.directory} at policy_version {version}")
   buffer.publish_version(version)
-  window_params = copy_params(state.params) if cfg.needs_window_params else None
-  batcher.set_params(copy_params(state.params), version)
+  window_params = window_copy(parts.learner, state.params) if cfg.needs_window_params else None
+  batcher.set_params(copy_params(rollout_params(parts.learner, state.params)), version)
   bar = progress_bar(cfg.num_versions, version, progress)
 
   def run_state_now() -> dict:
@@ -150,8 +152,10 @@ def run_sync(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print):
             faults.point("sync.publish")
             with timer.busy("sync"):
               began = time.perf_counter()
-              window_params = copy_params(state.params) if cfg.needs_window_params else None
-              batcher.set_params(copy_params(state.params), new_version)
+              window_params = (window_copy(parts.learner, state.params)
+                               if cfg.needs_window_params else None)
+              batcher.set_params(copy_params(rollout_params(parts.learner, state.params)),
+                                 new_version)
               jax.block_until_ready(batcher.params)
               sync_latency = time.perf_counter() - began
             version = new_version
