@@ -45,11 +45,16 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import gin
+from benchmarks import concurrency_ceiling
 from benchmarks import modes as modes_benchmark
 from jaxrl_async import compilation_cache
-from jaxrl_async.sim import fit, simulate
-from launch.simulate import mode_configs
+from jaxrl_async import config as config_lib
+from jaxrl_async.metrics import read_jsonl
+from jaxrl_async.sim import calibrate, fit, simulate
+from launch import train
 
+CEILING_FILE = "concurrency_ceiling.json"
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -67,43 +72,75 @@ def newest_ceiling() -> tuple[dict | None, str]:
   return best, name
 
 
-def default_contention(backend: str) -> tuple[float, str]:
-  """Threads: the role loops in threads; processes: two XLA processes at once."""
-  ceiling, name = newest_ceiling()
-  if ceiling is None:
-    return 0.0, f"{name}: contention 0"
-  key = "roles" if backend == "threads" else "xla_processes"
-  speedup = ceiling[key]["speedup"]
-  return max(0.0, 2.0 / speedup - 1.0), f"{name}: {key} speedup {speedup:.3f}"
+def newest_result(pattern: str, want) -> tuple[dict | None, str]:
+  """The newest line (by its timestamp, else the file name) of results/<pattern> for which
+  `want(record)` holds."""
+  best, name = None, f"no {pattern} result"
+  for path in sorted(glob.glob(os.path.join(RESULTS, pattern))):
+    with open(path, encoding="utf-8") as f:
+      for line in f:
+        record = json.loads(line) if line.strip() else None
+        if record and want(record) and (best is None or record.get("timestamp", "")
+                                        >= best.get("timestamp", "")):
+          best, name = record, os.path.basename(path)
+  return best, name
 
 
-def processes_layout(profile, ceiling: dict):
-  """`profile` (fitted from a sync run: both roles on every core, one after the other) moved
-  to the processes backend's layout by concurrency_ceiling's `roles_processes` and `roles`
-  figures (see the module doc). Returns (profile, the factors used)."""
-  one, layout = ceiling["roles"], ceiling["roles_processes"]
-  rollout_scale = layout["rollout_pinned_ms_per_batch"] / one["rollout_ms_per_batch"]
-  learner_scale = layout["learner_ms_per_batch"] / one["learner_ms_per_batch"]
-  if layout.get("rollout_beside_ms_per_batch") and layout.get("learner_beside_ms_per_batch"):
-    contention = max(0.0, layout["rollout_beside_ms_per_batch"]
-                     / layout["rollout_pinned_ms_per_batch"] - 1)
-    learner_contention = max(0.0, layout["learner_beside_ms_per_batch"]
-                             / layout["learner_ms_per_batch"] - 1)
+def buffer_cost(backend: str) -> tuple[float, str]:
+  """Threads: 0 (the buffer is in-process, as in the sync run); processes: the newest stored
+  cross-process buffer_throughput figure (columnar transport, a step's groups in one put)
+  against the newest in-process one."""
+  if backend == "threads":
+    return 0.0, "threads: in-process buffer, as in the sync run"
+  cross, cross_name = newest_result("buffer_throughput-cross_process-*.json",
+                                    lambda r: "columnar_x4" in r.get("transports", {}))
+  local, local_name = newest_result("buffer_throughput-*", lambda r: "samples_per_s_1_producer"
+                                    in r and r.get("side", "new") == "new")
+  if cross is None or local is None:
+    return 0.0, f"not measured ({cross_name}; {local_name})"
+  cross_rate = cross["transports"]["columnar_x4"]["samples_per_s"]
+  local_rate = local["samples_per_s_1_producer"]
+  return (calibrate.buffer_s_per_sample(cross_rate, local_rate),
+          f"{cross_name}: columnar_x4 {cross_rate:.0f} samples/s; {local_name}: "
+          f"{local_rate:.0f} samples/s in-process")
+
+
+def run_configs(names, bindings) -> dict:
+  """Each mode's or recipe's RunConfig from its gin file and the bindings."""
+  configs = {}
+  for name in names:
+    train.load_config([modes_benchmark.gin_file(name)], bindings)
+    configs[name] = gin.get_configurable(config_lib.RunConfig)()
+  gin.clear_config()
+  return configs
+
+
+def async_profile_for(profile, backend: str, ceiling: dict | None, handoff_records: list | None,
+                      handoff_config, seed: int, contention: float | None = None) -> tuple:
+  """The sync run's profile with the three once-measured parameters (sim/calibrate.py): the
+  layout and contention from `ceiling` (or one given `contention`, no layout), the buffer's
+  cost per sample, and the hand-off latency from `handoff_records` (an async run's records,
+  simulated under `handoff_config`)."""
+  if contention is not None:
+    factors = {"contention": contention, "contention_source": "--contention"}
+    used = dataclasses.replace(profile, contention=contention)
+  elif backend == "processes":
+    factors = calibrate.layout_factors(ceiling)
+    used = calibrate.processes_layout(profile, factors)
   else:
-    contention = max(0.0,
-                     layout["both_ms_per_batch"] / layout["rollout_pinned_ms_per_batch"] - 1)
-    learner_contention = None
-  rollout = dataclasses.replace(
-      profile.rollout,
-      decode_curve=tuple((n, seconds * rollout_scale) for n, seconds in profile.rollout.decode_curve),
-      prefill_s_per_token=profile.rollout.prefill_s_per_token * rollout_scale)
-  learner = dataclasses.replace(profile.learner,
-                                per_update_s=profile.learner.per_update_s * learner_scale,
-                                s_per_token=profile.learner.s_per_token * learner_scale)
-  factors = {"rollout_scale": rollout_scale, "learner_scale": learner_scale,
-             "contention": contention, "learner_contention": learner_contention}
-  return dataclasses.replace(profile, rollout=rollout, learner=learner, contention=contention,
-                             learner_contention=learner_contention), factors
+    speedup = ceiling["roles"]["speedup"]
+    factors = {"contention": max(0.0, 2.0 / speedup - 1.0), "roles_speedup": speedup}
+    used = dataclasses.replace(profile, contention=factors["contention"])
+  per_sample, buffer_source = buffer_cost(backend)
+  used = dataclasses.replace(used, buffer_s_per_sample=per_sample)
+  handoff = 0.0
+  if handoff_records is not None:
+    simulated = simulate(used, handoff_config, seed=seed).records
+    handoff = calibrate.handoff_latency(handoff_records, simulated)
+    factors["handoff_measured_p50_s"] = calibrate.median_handoff(handoff_records)
+    factors["handoff_simulated_p50_s"] = calibrate.median_handoff(simulated)
+  factors.update(handoff_s=handoff, buffer_s_per_sample=per_sample, buffer_source=buffer_source)
+  return dataclasses.replace(used, handoff_s=handoff), factors
 
 
 def main(argv=None) -> int:
@@ -112,22 +149,29 @@ def main(argv=None) -> int:
   parser.add_argument("--warmup_samples", type=int, default=1280)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--modes", default=",".join(modes_benchmark.MODES))
+  parser.add_argument("--recipes", default="verl_fully_async,verl_defaults",
+                      help="comma-separated recipes of gin/recipes/ run and predicted beside "
+                           "the modes ('' for none)")
+  parser.add_argument("--ceiling_batches", type=int, default=100,
+                      help="batches per role loop of the ceiling measured once after the runs "
+                           "(each role alone, both together: the contention and the layout); "
+                           "0: the newest stored concurrency_ceiling result")
   parser.add_argument("--work_dir", default=os.path.join("runs", "sim_calibration"))
   parser.add_argument("--reuse", action="store_true", help="use the run directories there")
-  parser.add_argument("--contention", type=float, default=None)
+  parser.add_argument("--contention", type=float, default=None,
+                      help="one contention for both roles instead of the measured layout")
   parser.add_argument("--backend", choices=("threads", "processes"), default="processes",
                       help="where the async modes run their roles (sync: one process)")
-  parser.add_argument("--layout", choices=("measured", "none"), default=None,
-                      help="processes backend: move the sync profile to the servers' layout "
-                           "by concurrency_ceiling's roles_processes figures (default "
-                           "'measured' on processes without --contention, else 'none')")
   parser.add_argument("--learner_fixed_fraction", type=float, default=None,
                       help="share of an update's time fixed per update (default: the newest "
                            "concurrency_ceiling result's roles.learner_fixed_fraction, if any)")
+  parser.add_argument("--handoff_mode", default="on_policy",
+                      help="the mode whose warm-up run's records give the hand-off latency")
   parser.add_argument("--gin_bindings", action="append", default=[])
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
-  modes = args.modes.split(",")
+  modes = [*args.modes.split(","),
+           *(f"recipes/{r}" for r in filter(None, args.recipes.split(",")))]
   if "sync" not in modes:
     raise SystemExit("--modes must include sync (its run is the profile)")
   bindings = [f"RunConfig.total_samples = {args.total_samples}", f"RunConfig.seed = {args.seed}",
@@ -146,50 +190,60 @@ def main(argv=None) -> int:
                                         f"{args.warmup_samples}"], warm, args.backend)
       print(f"running {mode} ...", file=sys.stderr, flush=True)
       modes_benchmark.run_mode(mode, bindings, os.path.join(args.work_dir, mode), args.backend)
+    load_after = os.getloadavg()[0]
+    if args.ceiling_batches:
+      print("concurrency ceiling (each role alone, both together) ...", file=sys.stderr,
+            flush=True)
+      measured_ceiling = concurrency_ceiling.ceiling(args.backend, args.ceiling_batches)
+      measured_ceiling["timestamp"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+      with open(os.path.join(args.work_dir, CEILING_FILE), "w", encoding="utf-8") as f:
+        json.dump(measured_ceiling, f)
     with open(load_path, "w", encoding="utf-8") as f:
-      json.dump({"before": load_before, "after": os.getloadavg()[0]}, f)
+      json.dump({"before": load_before, "after": load_after,
+                 "after_ceiling": os.getloadavg()[0]}, f)
   runs_load = None
   if os.path.isfile(load_path):
     with open(load_path, encoding="utf-8") as f:
       runs_load = json.load(f)
-  measured_idle = {}
+  measured_idle, measured_handoff = {}, {}
   for mode in modes:
     with open(os.path.join(args.work_dir, mode, "summary.json"), encoding="utf-8") as f:
       run_summary = json.load(f)
     measured[mode] = run_summary["system/samples_per_s"]
     measured_idle[mode] = {role: run_summary.get(f"{role}/idle_ratio")
                            for role in ("rollout", "learner")}
-  contention, contention_source = ((args.contention, "--contention")
-                                   if args.contention is not None
-                                   else default_contention(args.backend))
+    measured_handoff[mode] = run_summary.get("handoff/publish_to_enqueue_s_p50")
+  ceiling_path = os.path.join(args.work_dir, CEILING_FILE)
+  if os.path.isfile(ceiling_path):
+    with open(ceiling_path, encoding="utf-8") as f:
+      ceiling, ceiling_source = json.load(f), f"{CEILING_FILE} (measured with the runs)"
+  else:
+    ceiling, ceiling_source = newest_ceiling()
+    if ceiling is None and args.contention is None:
+      raise SystemExit(f"{ceiling_source}: run with --ceiling_batches > 0")
+    ceiling = ceiling or {}
   fixed_fraction, fixed_source = args.learner_fixed_fraction, "--learner_fixed_fraction"
   if fixed_fraction is None:
-    ceiling, source = newest_ceiling()
-    fixed_fraction = (ceiling or {}).get("roles", {}).get("learner_fixed_fraction")
-    fixed_source = f"{source}: roles" if fixed_fraction is not None else "not measured"
+    fixed_fraction = ceiling.get("roles", {}).get("learner_fixed_fraction")
+    fixed_source = f"{ceiling_source}: roles" if fixed_fraction is not None else "not measured"
   profile = fit.profile_from_run(os.path.join(args.work_dir, "sync"), seed=args.seed,
                                  learner_fixed_fraction=fixed_fraction)
-  layout = args.layout or ("measured" if args.backend == "processes" and args.contention is None
-                           else "none")
-  async_profile = dataclasses.replace(profile, contention=contention)
-  layout_factors = None
-  if layout == "measured":
-    ceiling, source = newest_ceiling()
-    if ceiling is None or "roles_processes" not in ceiling:
-      raise SystemExit(f"--layout measured needs a concurrency_ceiling result with "
-                       f"roles_processes ({source}): run benchmarks/concurrency_ceiling.py")
-    if args.contention is not None:
-      raise SystemExit("--layout measured sets the contention itself; use --layout none with "
-                       "--contention")
-    async_profile, layout_factors = processes_layout(profile, ceiling)
-    contention, contention_source = layout_factors["contention"], f"{source}: roles_processes"
-  configs = mode_configs(modes, bindings)
+  handoff_path = os.path.join(args.work_dir, f"warmup-{args.handoff_mode}", "metrics.jsonl")
+  handoff_records = read_jsonl(handoff_path) if os.path.isfile(handoff_path) else None
+  handoff_config = run_configs([args.handoff_mode], [
+      *bindings, f"RunConfig.total_samples = {args.warmup_samples}"])[args.handoff_mode]
+  async_profile, factors = async_profile_for(profile, args.backend, ceiling, handoff_records,
+                                             handoff_config, args.seed, args.contention)
+  factors["handoff_source"] = (f"warmup-{args.handoff_mode} run's records"
+                               if handoff_records is not None else "no run: 0")
+  configs = run_configs(modes, bindings)
   table = {}
   for mode in modes:
     used = profile if mode == "sync" else async_profile
     summary = simulate(used, configs[mode], seed=args.seed).summary
     predicted = summary["system/samples_per_s"]
-    table[mode] = {"measured_samples_per_s": measured[mode],
+    name = mode.removeprefix("recipes/")
+    table[name] = {"measured_samples_per_s": measured[mode],
                    "predicted_samples_per_s": predicted,
                    "error": predicted / measured[mode] - 1,
                    "within_15_percent": abs(predicted / measured[mode] - 1) <= 0.15,
@@ -200,18 +254,19 @@ def main(argv=None) -> int:
                    "predicted_rollout_idle_ratio": summary["rollout/idle_ratio"],
                    "measured_learner_idle_ratio": measured_idle[mode]["learner"],
                    "predicted_learner_idle_ratio": summary["learner/idle_ratio"],
+                   "measured_handoff_p50_s": measured_handoff[mode],
+                   "predicted_handoff_p50_s": summary.get("handoff/publish_to_enqueue_s_p50"),
                    "predicted_stale_ratio": summary["algo/stale_ratio"],
                    "predicted_version_gap_max": summary["algo/version_gap_max"]}
   line = {"benchmark": "sim_calibration", "backend": args.backend,
           "total_samples": args.total_samples,
           "warmup_samples": args.warmup_samples, "seed": args.seed,
           "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
-          "runs_load_average": runs_load,
-          "contention": contention, "contention_source": contention_source,
-          "layout": layout, "layout_factors": layout_factors,
-          "learner_fixed_fraction": fixed_fraction,
+          "runs_load_average": runs_load, "ceiling_source": ceiling_source,
+          "once_measured": factors, "learner_fixed_fraction": fixed_fraction,
           "learner_fixed_fraction_source": fixed_source,
-          "profile": profile.to_dict(), "modes": table}
+          "profile": profile.to_dict(), "async_profile": async_profile.to_dict(),
+          "modes": table}
   if args.out:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".json", "w", encoding="utf-8") as f:

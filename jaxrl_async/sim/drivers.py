@@ -68,6 +68,7 @@ class SimLearner:
     self.updates = 0
     self.wait_s = 0.0
     self.latest_published = -1
+    self.published_at: dict[int, float] = {}  # version -> when its publish began
 
   def _get_groups(self, clock: Clock):
     groups = self.ready.take(self.groups_per_update, self.version)
@@ -99,6 +100,7 @@ class SimLearner:
       case TakeReady(version=version):
         return self.ready.take(self.groups_per_update, version)
       case Publish(version=version):
+        self.published_at[version] = clock.now
         yield ("work", self.device, self.sync_s, "sync")
         self.latest_published = version
         self.publish(version)

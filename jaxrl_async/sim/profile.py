@@ -26,6 +26,12 @@ loops that `simulator.py` drives. Times are seconds of the virtual clock.
 - version_overhead_s: host time per version in every mode, outside every role's busy time
   (records, bookkeeping): between the stages in sync, on the learner's thread after publishing
   in the async modes.
+- handoff_s: the hand-off latency of the async modes' weight path: a version the learner
+  publishes reaches the rollout side this long after its publish ends (the transfer to another
+  process, the rollouter's poll for it); a delay, not work: no role is busy for it.
+- buffer_s_per_sample: host time per consumed sample on the learner's thread in the async
+  modes (samples crossing into the learner's process: decoding, assembly), beside the sync run's
+  in-process buffer whose cost is already in its fitted times.
 - startup_s: time before the first version starts (tracing, compilation).
 - token_block: real tokens per simulated token entry (1 = exact per-token versions; a larger
   block keeps long responses cheap to simulate, versions then change only at block edges).
@@ -203,6 +209,8 @@ class Profile:
   colocated_learner: LearnerCost | None = None
   sync_mode_overhead_s: float = 0.0
   version_overhead_s: float = 0.0
+  handoff_s: float = 0.0
+  buffer_s_per_sample: float = 0.0
   startup_s: float = 0.0
   token_block: int = 1
   notes: tuple = ()  # every assumed number and its source, in words
@@ -216,7 +224,8 @@ class Profile:
     _positive("contention", self.contention, zero_ok=True)
     if self.learner_contention is not None:
       _positive("learner_contention", self.learner_contention, zero_ok=True)
-    for name in ("sync_mode_overhead_s", "version_overhead_s", "startup_s"):
+    for name in ("sync_mode_overhead_s", "version_overhead_s", "handoff_s",
+                 "buffer_s_per_sample", "startup_s"):
       _positive(name, getattr(self, name), zero_ok=True)
 
   def resources(self, mode: str) -> tuple[RolloutCost, LearnerCost]:

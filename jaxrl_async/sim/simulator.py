@@ -18,6 +18,7 @@ import numpy as np
 from jaxrl_async.buffer import VersionedBuffer, staleness_control
 from jaxrl_async.config import RunConfig
 from jaxrl_async.metrics import JsonlWriter, staleness_metrics
+from jaxrl_async.run.handoff import Handoffs
 from jaxrl_async.sim.clock import Clock, Device, Host
 from jaxrl_async.sim.drivers import SimLearner, sync_loop
 from jaxrl_async.sim.profile import LearnerCost, Profile
@@ -53,14 +54,18 @@ def _finite(value):
   return value
 
 
-def update_model(cost: LearnerCost, config: RunConfig):
-  """Seconds of one learner update on `groups` (the `local`-th update of its window)."""
+def update_model(cost: LearnerCost, config: RunConfig, buffer_s_per_sample: float = 0.0):
+  """Seconds of one learner update on `groups` (the `local`-th update of its window), with
+  `buffer_s_per_sample` of host time per sample it consumes (the async modes' buffer)."""
   old_pass = config.mode in cost.old_logprob_pass_modes
   recompute = config.learner.needs_recompute
+  per_sample = buffer_s_per_sample if config.mode != "sync" else 0.0
 
   def update_s(groups, local: int) -> float:
     tokens = sum(sample.meta["tokens"] for group in groups for sample in group)
     seconds = cost.per_update_s + tokens * cost.s_per_token
+    if per_sample:
+      seconds += per_sample * sum(len(group) for group in groups)
     if recompute and local > 0:
       seconds += tokens * cost.recompute_s_per_token
     if old_pass:
@@ -74,12 +79,13 @@ class Recorder:
   """Builds one record per published version, like the real run's `version_record`."""
 
   def __init__(self, clock, config, profile, buffer, pool, learner_device, num_versions,
-               counters):
+               counters, handoffs: Handoffs | None = None):
     self.clock, self.config, self.profile = clock, config, profile
     self.buffer, self.pool, self.learner_device = buffer, pool, learner_device
     self.num_versions = num_versions
     self.counters = counters  # callable -> dict of rollout/learner counters
     self.records: list[dict] = []
+    self.handoffs = handoffs  # the async modes: publish -> first enqueued -> first taken
     self.samples = self.tokens = self.updates = 0
     self.gap_hist = np.zeros(1, np.int64)
     self.partial = self.max_span = 0
@@ -125,6 +131,10 @@ class Recorder:
               "algo/old_logprob_source": self.config.learner.old_logprob_source,
               **staleness, **self.buffer.metrics(), **extra,
               **self.counters()}
+    if self.handoffs is not None:  # as run/loop.py's on_version
+      self.handoffs.observe(groups)
+      latest = self.handoffs.intervals(version - 1)
+      record.update({f"handoff/{name}": value for name, value in (latest or {}).items()})
     for role, busy in self.busy().items():
       record[f"{role}/busy_s"] = busy
       record[f"{role}/idle_ratio"] = max(0.0, 1.0 - busy / wall)
@@ -163,7 +173,7 @@ def simulate(profile: Profile, config: RunConfig, *, num_versions: int | None = 
                      on_rewarded=None, group_size=config.group_size)
   ready = ReadyGroups(buffer, config.group_size)
   learner_device = Device(clock, "learner", host)
-  update_s = update_model(learner_cost, config)
+  update_s = update_model(learner_cost, config, profile.buffer_s_per_sample)
   sync_s = profile.sync.transfer_s
   holder: list[Process] = []
 
@@ -186,7 +196,13 @@ def simulate(profile: Profile, config: RunConfig, *, num_versions: int | None = 
                              partial_rollout=config.partial_rollout,
                              partial_strategy=config.partial_strategy,
                              on_group_ready=lambda: holder[0].wake("groups"))
-    learner = SimLearner(device=learner_device, ready=ready, publish=rollouter.on_publish,
+    def publish(version: int) -> None:  # the weight path's latency, then the rollout side
+      if profile.handoff_s:
+        clock.at(clock.now + profile.handoff_s, rollouter.on_publish, version)
+      else:
+        rollouter.on_publish(version)
+
+    learner = SimLearner(device=learner_device, ready=ready, publish=publish,
                          update_s=update_s, sync_s=sync_s,
                          overhead_s=profile.version_overhead_s,
                          groups_per_update=config.groups_per_update,
@@ -201,7 +217,7 @@ def simulate(profile: Profile, config: RunConfig, *, num_versions: int | None = 
               **{f"rollout/{k}": v for k, v in rollouter.counts.items()}}
 
     recorder = Recorder(clock, config, profile, buffer, pool, learner_device, num_versions,
-                        counters)
+                        counters, Handoffs(learner.published_at))
     learner.on_version = lambda version, groups, extra, latency: recorder.on_version(
         version, groups, {}, latency)
     body = learner.run(clock)
@@ -252,6 +268,8 @@ def summarise(recorder: Recorder, config: RunConfig, profile: Profile, counts: d
       "sim/put": counts["put"], "sim/consumed": counts["consumed"],
       "sim/queued": counts["queued"], "sim/dropped": sum(counts["dropped"].values()),
   })
+  if recorder.handoffs is not None:
+    summary.update(recorder.handoffs.summary())
   if recorder.staleness is not None:  # the s the adaptive controller ended at
     summary["staleness/threshold"] = recorder.staleness.threshold
   return summary
