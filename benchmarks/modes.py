@@ -20,6 +20,14 @@ running the two roles at once can gain on this machine with this workload
 laid out as `--backend` lays out a run) and gives each run's ratio to sync as a fraction of that
 ceiling (`fraction_of_ceiling`).
 
+`--task_file FILE` (repeatable) loads a task's gin file after each mode's or recipe's file, e.g.
+`gin/tasks/rlvr.gin` for the RLVR workload (docs/workloads.md). With a task file the ceiling is
+the workload's own bound instead (`workload_bound.bound`: rollout at full slots, reward at the
+verifier's concurrency, learner on recorded batches, each alone, laid out as `--backend` lays
+out a run; `--bound_run` names the run whose settings it measures, by default the first async
+one): `ceiling.speedup` is sync's seconds per sample over the bound, and a run's
+`fraction_of_ceiling` its samples/s times the bound.
+
 Compilation is kept out of the comparison: XLA's persistent compilation cache is on
 (`jaxrl_async.compilation_cache`), and every mode first runs `--warmup_samples` samples
 (discarded), so the measured runs load their executables instead of compiling them (each run
@@ -41,7 +49,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gin
-from benchmarks import concurrency_ceiling
+from benchmarks import concurrency_ceiling, workload_bound
 from jaxrl_async import compilation_cache, report
 from jaxrl_async import config as config_lib
 from jaxrl_async.metrics import read_jsonl
@@ -58,12 +66,14 @@ def gin_file(name: str) -> str:
   return f"gin/modes/{name}.gin"
 
 
-def run_mode(mode: str, bindings: list[str], run_dir: str, backend: str = "threads") -> dict:
-  """Runs one mode or recipe; the async ones on `backend`, sync always in one process (its
-  fastest form: both cores, no process boundary)."""
+def run_mode(mode: str, bindings: list[str], run_dir: str, backend: str = "threads",
+             task_files=()) -> dict:
+  """Runs one mode or recipe (then `task_files`, in order); the async ones on `backend`, sync
+  always in one process (its fastest form: both cores, no process boundary). `api.run` starts
+  a task's services (e.g. the RLVR workload's verifier) for the run."""
   if mode != "sync":
     bindings = [*bindings, f"RunConfig.backend = '{backend}'"]
-  train.load_config([gin_file(mode)], bindings)
+  train.load_config([gin_file(mode), *task_files], bindings)
   config = gin.get_configurable(config_lib.RunConfig)()
   gin.clear_config()
   summary = api.run(config, run_dir, progress=False, log=lambda *a: None)
@@ -181,6 +191,14 @@ def main(argv=None) -> int:
   parser.add_argument("--ceiling_batches", type=int, default=100,
                       help="batches per role loop for the ceiling measured after the runs "
                            "(0: not measured)")
+  parser.add_argument("--task_file", action="append", default=[],
+                      help="a task's gin file loaded after each mode's or recipe's (e.g. "
+                           "gin/tasks/rlvr.gin); the ceiling is then the workload's bound")
+  parser.add_argument("--bound_run", default=None,
+                      help="with --task_file: the run (mode, recipe or variant name) whose "
+                           "settings the bound measures (default: the first async run)")
+  parser.add_argument("--bound_samples", type=int, default=2048,
+                      help="with --task_file: samples generated and scored for the bound")
   parser.add_argument("--out", default=os.path.join(
       "benchmarks", "results", f"modes-{time.strftime('%Y%m%d-%H%M%S')}"))
   args = parser.parse_args(argv)
@@ -204,6 +222,13 @@ def main(argv=None) -> int:
       parser.error(f"--variant {spec!r}: want NAME=MODE:BINDING[;BINDING...] with a new NAME "
                    f"and MODE in {MODES}")
     runs[name] = (mode, [b.strip() for b in extra.split(";") if b.strip()])
+  for path in args.task_file:
+    if not os.path.isfile(path):
+      parser.error(f"--task_file: no file {path}")
+  if args.bound_samples < 1:
+    parser.error(f"--bound_samples must be >= 1, got {args.bound_samples}")
+  if args.bound_run is not None and args.bound_run not in runs:
+    parser.error(f"--bound_run {args.bound_run!r} is none of the runs {sorted(runs)}")
   compilation_cache.enable()
   with contextlib.ExitStack() as stack:
     if args.backend == "ray" and not os.environ.get("RAY_ADDRESS"):
@@ -213,21 +238,45 @@ def main(argv=None) -> int:
     return measure(args, runs, bindings)
 
 
+def bound_run(runs: dict, chosen: str | None) -> str:
+  """The run whose settings the workload bound measures: `chosen`, else the first async run,
+  else the first run."""
+  if chosen is not None:
+    return chosen
+  return next((name for name, (mode, _) in runs.items() if mode != "sync"), next(iter(runs)))
+
+
+def measure_bound(args, runs: dict, bindings: list[str], table: dict) -> dict:
+  """The workload's bound (`workload_bound.bound`) for the settings of `bound_run`, and the
+  ceiling speedup over the sync run of the table (None without one)."""
+  name = bound_run(runs, args.bound_run)
+  mode, extra = runs[name]
+  ceiling = workload_bound.bound(args.backend, [gin_file(mode), *args.task_file],
+                                 [*bindings, *extra], samples=args.bound_samples,
+                                 updates=args.ceiling_batches)
+  sync = table.get("sync")
+  return {**ceiling, "run": name, "speedup": None if sync is None else
+          workload_bound.ceiling_speedup(sync["samples_per_s"], ceiling["bound_s_per_sample"])}
+
+
 def measure(args, runs: dict, bindings: list[str]) -> int:
+  load_start = os.getloadavg()
   rounds: list[dict] = []  # one {name: result} per repeat
   with tempfile.TemporaryDirectory() as root:
     if args.warmup_samples:
       warmup = [*bindings, f"RunConfig.total_samples = {args.warmup_samples}"]
       for name, (mode, extra) in runs.items():
         print(f"warming up {name} ...", file=sys.stderr, flush=True)
-        run_mode(mode, [*warmup, *extra], os.path.join(root, f"warmup-{name}"), args.backend)
+        run_mode(mode, [*warmup, *extra], os.path.join(root, f"warmup-{name}"), args.backend,
+                 args.task_file)
     for repeat in range(args.repeats):  # interleaved: each round runs every mode once
       results = {}
       for name, (mode, extra) in runs.items():
         suffix = f" (round {repeat + 1} of {args.repeats})" if args.repeats > 1 else ""
         print(f"running {name}{suffix} ...", file=sys.stderr, flush=True)
         results[name] = run_mode(mode, [*bindings, *extra],
-                                 os.path.join(root, f"{name}-{repeat}"), args.backend)
+                                 os.path.join(root, f"{name}-{repeat}"), args.backend,
+                                 args.task_file)
       rounds.append(results)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     draw({name: os.path.join(root, f"{name}-0") for name in rounds[0]}, args.out)
@@ -237,11 +286,16 @@ def measure(args, runs: dict, bindings: list[str]) -> int:
   ceiling = None
   if args.ceiling_batches:
     print("measuring the ceiling ...", file=sys.stderr, flush=True)
-    ceiling = concurrency_ceiling.ceiling(args.backend, args.ceiling_batches, args.gin_bindings)
+    ceiling = (measure_bound(args, runs, bindings, table) if args.task_file else
+               concurrency_ceiling.ceiling(args.backend, args.ceiling_batches, args.gin_bindings))
     for row in table.values():
-      if row.get("samples_per_s_vs_sync") is not None:
+      if ceiling["kind"] == "workload_bound":
+        row["fraction_of_ceiling"] = workload_bound.fraction_of_ceiling(
+            row["samples_per_s"], ceiling["bound_s_per_sample"])
+      elif row.get("samples_per_s_vs_sync") is not None:
         row["fraction_of_ceiling"] = row["samples_per_s_vs_sync"] / ceiling["speedup"]
-  line = {"benchmark": "modes", "backend": args.backend,
+  line = {"benchmark": "modes", "backend": args.backend, "task_files": args.task_file,
+          "load_average": {"start": load_start, "end": os.getloadavg()},
           "total_samples": args.total_samples, "seed": args.seed,
           "warmup_samples": args.warmup_samples, "repeats": args.repeats,
           "variants": {name: {"mode": mode, "bindings": extra}

@@ -2,11 +2,12 @@
 (Their figures are measured by running them as documented in benchmarks/; nothing here times.)"""
 
 import json
+import math
 
 import pytest
 
 import gin
-from benchmarks import concurrency_ceiling, learner_step, modes
+from benchmarks import concurrency_ceiling, learner_step, modes, workload_bound
 from benchmarks import serve as serve_bench
 
 TINY = ("DigitReverseTask.max_len = 8", "WarmStartConfig.steps = 20",
@@ -121,3 +122,58 @@ def test_serve_compares_the_server_with_the_engine(tmp_path):
   assert record["tokens_match"] is True  # the server streamed the engine's tokens
   assert record["requests"] == 6 and record["tokens"] >= 6
   assert record["engine_tokens_per_s"] > 0 and record["server_tokens_per_s"] > 0
+
+
+RLVR_TINY = ("RLVRReverseTask.max_len = 15", "WarmStartConfig.steps = 20",
+             "WarmStartConfig.batch_size = 16", "RunConfig.group_size = 4",
+             "RunConfig.mini_batch_size = 1", "RunConfig.max_concurrent_decodes = 8",
+             "RunConfig.eval_size = 16", "VerifierSettings.time_scale = 1e-3",
+             "VerifierSettings.concurrency = 2", "RunConfig.reward_workers = 1")
+
+
+@pytest.mark.slow  # about 45 s under load (16 CPU-s): a verifier process, two compiles
+def test_workload_bound_is_the_slowest_role_measured_alone(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)  # main changes to the repository root; restored afterwards
+  out = tmp_path / "bound.json"
+  assert workload_bound.main([
+      "--backend", "threads", "--samples", "24", "--updates", "3", "--repeats", "2",
+      "--gin_file", "gin/recipes/verl_fully_async.gin", "--gin_file", "gin/tasks/rlvr.gin",
+      "--out", str(out), *[a for b in RLVR_TINY for a in ("--gin_bindings", b)]]) == 0
+  record = _read(out)
+  roles = record["roles"]
+  figures = {role: roles[role]["s_per_sample"] for role in workload_bound.ROLES}
+  for role, value in figures.items():
+    assert math.isfinite(value) and value > 0, role
+    assert roles[role]["s"] == min(roles[role]["passes_s"]), role  # the fastest pass kept
+  assert record["bound_s_per_sample"] == max(figures.values())
+  assert record["slowest_role"] == max(figures, key=figures.get)
+  assert record["bound_samples_per_s"] == pytest.approx(1 / record["bound_s_per_sample"])
+  assert roles["rollout"]["samples"] == 24 and roles["rollout"]["slots"] == 8
+  # Scored at the verifier's concurrency: more callers than reward_workers, the service at its
+  # limit and never above it; every pass's requests reached the service.
+  assert roles["reward"]["callers"] == 2 and roles["reward"]["concurrency"] == 2
+  assert roles["reward"]["requests"] == 2 * 24 and roles["reward"]["errors"] == 0
+  assert 1 <= roles["reward"]["max_active"] <= 2
+  # 4 groups of 4 a batch (mini_batch_size 1 x require_batches 4): 16 samples an update.
+  assert roles["learner"]["updates"] == 3 and roles["learner"]["samples"] == 3 * 16
+  # A run at 100 samples/s against a bound of 5 ms a sample reached half of the ceiling; a sync
+  # run at 50 samples/s (20 ms a sample) leaves a ceiling of 4x.
+  assert workload_bound.fraction_of_ceiling(100.0, 0.005) == pytest.approx(0.5)
+  assert workload_bound.ceiling_speedup(50.0, 0.005) == pytest.approx(4.0)
+  assert workload_bound.bound_figures({"a": 0.25, "b": 0.5})["slowest_role"] == "b"
+  for bad in (0.0, -1.0, float("nan"), float("inf")):
+    with pytest.raises(ValueError, match="role 'b'"):
+      workload_bound.bound_figures({"a": 0.25, "b": bad})
+
+
+def test_modes_refuses_a_missing_task_file_and_an_unknown_bound_run(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(SystemExit):
+    modes.main(["--task_file", "gin/tasks/no_such_task.gin", "--modes", "sync"])
+  with pytest.raises(SystemExit):
+    modes.main(["--task_file", "gin/tasks/rlvr.gin", "--modes", "sync",
+                "--bound_run", "async_partial"])
+  runs = {"sync": ("sync", []), "verl_fully_async": ("recipes/verl_fully_async", [])}
+  assert modes.bound_run(runs, None) == "verl_fully_async"  # the first async run
+  assert modes.bound_run({"sync": ("sync", [])}, None) == "sync"
+  assert modes.bound_run(runs, "sync") == "sync"

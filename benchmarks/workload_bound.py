@@ -1,0 +1,276 @@
+"""The bound a workload's own work sets on any schedule: each role alone, at its fastest.
+
+No schedule of the roles makes samples faster than its slowest role makes them when that role
+never waits. Measured one role at a time, laid out on the cores as `--backend` lays out a run:
+
+- `rollout`: generation with every decode slot full (requests queued beyond the slots, timed
+  until as many samples finished as were asked for, before the queue ever runs dry), no learner
+  and no reward running; on the processes backend in a child pinned to the rollout server's
+  cores with its XLA threads (`backends.processes.child`), on the threads backend in this
+  process;
+- `reward`: the samples just generated scored by the run's reward pool with at least as many
+  callers as the verifier has slots, so the service (the task's `services`, e.g. the RLVR
+  workload's verifier process) verifies at its concurrency limit; the callers sit where the
+  run's reward pool sits (the rollout server); a task without a service scores in-process;
+- `learner`: updates on the recorded samples' groups (`groups_per_update` groups a batch, the
+  window's anchors as the run computes them), no rollout running, in this process on every
+  core, as the learner runs.
+
+Each role's figure is seconds per sample; the bound is the largest of them (`slowest_role`).
+Against a sync run measured on the same machine, `ceiling_speedup(sync_samples_per_s, bound)`
+is the most an async schedule can gain, and `fraction_of_ceiling(samples_per_s, bound)` how
+much of the bound's rate a run reached (1.0: the slowest role never waited). Weight publishing
+and evaluation are not counted (they are work on top of the three roles).
+
+    python benchmarks/workload_bound.py --gin_file gin/recipes/verl_fully_async.gin \
+        --gin_file gin/tasks/rlvr.gin --backend processes
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import pickle
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import emit_json_line
+
+ROLES = ("rollout", "reward", "learner")
+
+
+# ---- the figures (pure) --------------------------------------------------------------------
+def bound_figures(seconds_per_sample: dict[str, float]) -> dict:
+  """{'slowest_role', 'bound_s_per_sample', 'bound_samples_per_s'} from each role's seconds per
+  sample; ValueError for a figure that is not positive and finite."""
+  for role, value in seconds_per_sample.items():
+    if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+      raise ValueError(f"role {role!r}: seconds per sample must be positive and finite, "
+                       f"got {value!r}")
+  if not seconds_per_sample:
+    raise ValueError("no role measured")
+  slowest = max(seconds_per_sample, key=seconds_per_sample.get)
+  bound = seconds_per_sample[slowest]
+  return {"slowest_role": slowest, "bound_s_per_sample": bound,
+          "bound_samples_per_s": 1.0 / bound}
+
+
+def ceiling_speedup(sync_samples_per_s: float, bound_s_per_sample: float) -> float:
+  """The most an async schedule can gain over sync: sync's seconds per sample over the bound."""
+  return (1.0 / sync_samples_per_s) / bound_s_per_sample
+
+
+def fraction_of_ceiling(samples_per_s: float, bound_s_per_sample: float) -> float:
+  """A run's samples/s as a fraction of the bound's rate (its speedup over sync as a fraction of
+  the ceiling speedup: the two are the same number)."""
+  return samples_per_s * bound_s_per_sample
+
+
+# ---- the roles -----------------------------------------------------------------------------
+def load_run_config(gin_files, bindings):
+  """The RunConfig of `gin_files` (in order) with `bindings` on top, as `jaxrl-async train`
+  reads it."""
+  import gin
+  from jaxrl_async.config import RunConfig
+  from launch.train import load_config
+  load_config(list(gin_files), list(bindings))
+  try:
+    return gin.get_configurable(RunConfig)()
+  finally:
+    gin.clear_config()
+
+
+def _base_params(config, spec):
+  from jaxrl_async import sharding
+  from jaxrl_async.learner.sft import cached_base_policy
+  mesh = sharding.place_roles(config.learner_mesh).learner
+  return cached_base_policy(spec.task, spec.model_config, config.warm_start, mesh,
+                            log=lambda *a: None)
+
+
+def measure_rollout_and_reward(config, samples: int, repeats: int = 3) -> dict:
+  """In the process that generates: `samples` samples at full slots, timed; then those samples
+  scored by a reward pool with max(reward_workers, verifier slots) callers, timed; each
+  `repeats` times, the fastest pass kept (a role that never waits runs at its fastest).
+  -> {'rollout': {...}, 'reward': {...}, 'samples': the scored samples}."""
+  from jaxrl_async.run import build as build_lib
+  slots = config.max_concurrent_decodes
+  verifier = getattr(config.task, "verifier", None)
+  callers = max(config.reward_workers, getattr(verifier, "concurrency", 0))
+  config = dataclasses.replace(config, reward_workers=callers)
+  side = build_lib.build_rollout_side(config)
+  batcher = side.new_batcher()
+  batcher.set_params(side.engine.load_params(_base_params(config, side.spec)), 0)
+  groups = iter(range(1_000_000_000))
+
+  def requests(count: int) -> list:
+    out = []
+    while len(out) < count:
+      out += side.make_requests(next(side.prompts), next(groups), None)
+    return out
+
+  batcher.run_to_completion(requests(slots))  # compiled (prefill and decode) before the clock
+  passes, done = [], []
+  for _ in range(repeats):
+    batcher.submit(requests(samples + slots))  # the queue outlasts the timed samples
+    done, steps = [], 0
+    began = time.perf_counter()
+    while len(done) < samples:
+      done += batcher.step()
+      steps += 1
+    passes.append((time.perf_counter() - began, steps))
+    batcher.take_pending()
+    batcher.abort_active()
+  done = done[:samples]
+  reward_passes = []
+  for _ in range(repeats):  # the same answers each pass: the same drawn latencies
+    began = time.perf_counter()
+    scored = side.rewards.score_all(done)
+    reward_passes.append(time.perf_counter() - began)
+  side.rewards.close()
+  data = side.task.data_metrics() if hasattr(side.task, "data_metrics") else {}
+  lengths = [len(s.response_tokens) for s in scored]
+  rollout_s, steps = min(passes)
+  reward_s = min(reward_passes)
+  return {
+      "rollout": {"samples": len(done), "s": rollout_s, "slots": slots, "steps": steps,
+                  "s_per_sample": rollout_s / len(done), "passes_s": [p for p, _ in passes],
+                  "response_len_mean": sum(lengths) / len(lengths)},
+      "reward": {"samples": len(scored), "s": reward_s, "callers": callers,
+                 "s_per_sample": reward_s / len(scored), "passes_s": reward_passes,
+                 **{key.split("/", 1)[1]: value for key, value in data.items()
+                    if key.startswith("verifier/")}},
+      "samples": scored}
+
+
+def rollout_child(config, samples: int, repeats: int, result_path: str) -> None:
+  """In a rollout server's place (a spawned, pinned child): `measure_rollout_and_reward`, its
+  result pickled to `result_path`."""
+  from jaxrl_async import compilation_cache
+  compilation_cache.enable()
+  result = measure_rollout_and_reward(config, samples, repeats)
+  with open(result_path, "wb") as f:
+    pickle.dump(result, f)
+
+
+def measure_learner(config, scored, updates: int, repeats: int = 3) -> dict:
+  """`updates` learner updates on the recorded samples' whole groups, `groups_per_update` to a
+  batch, cycling through the batches; a window of `trigger_parameter_sync_step` updates takes
+  its anchors as the run's learner does (`build.learner_update`). Every batch's shape is
+  compiled first; the fastest of `repeats` passes is kept."""
+  import jax
+
+  from jaxrl_async import sharding
+  from jaxrl_async.run import build as build_lib
+  spec = build_lib.model_spec(config)
+  mesh = sharding.place_roles(config.learner_mesh).learner
+  learner = build_lib.build_learner_side(config, spec, mesh, log=lambda *a: None)
+  groups = build_lib.assemble_groups(config, scored)
+  per = config.groups_per_update
+  batches = [groups[i:i + per] for i in range(0, len(groups) - per + 1, per)]
+  if not batches:
+    raise ValueError(f"{len(scored)} samples make {len(groups)} whole groups, fewer than one "
+                     f"update's {per}: measure more samples")
+  trigger = config.trigger_parameter_sync_step
+  state = [learner.initial_state]
+  window = [None]
+
+  def update(i: int) -> int:
+    local = i % trigger
+    if local == 0:
+      window[0] = build_lib.copy_params(state[0].params) if trigger > 1 else None
+    batch = batches[i % len(batches)]
+    state[0], metrics = build_lib.learner_update(learner, state[0], batch, window[0], 0, local)
+    jax.device_get(metrics)
+    return sum(len(group) for group in batch)
+
+  for i in range(max(len(batches), trigger) * min(trigger, 2)):  # every shape, both anchors
+    update(i)
+  passes = []
+  for _ in range(repeats):
+    began = time.perf_counter()
+    consumed = sum(update(i) for i in range(updates))
+    passes.append(time.perf_counter() - began)
+  learner_s = min(passes)
+  return {"updates": updates, "samples": consumed, "s": learner_s, "batches": len(batches),
+          "s_per_sample": learner_s / consumed, "passes_s": passes}
+
+
+def _rollout_in_child(config, samples: int, repeats: int) -> dict:
+  from jaxrl_async.backends.processes import child
+  _, (server_cores,) = child.core_shares(1)
+  with tempfile.TemporaryDirectory() as root:
+    path = os.path.join(root, "rollout.pkl")
+    process = child.spawn("benchmarks.workload_bound:rollout_child",
+                          (config, samples, repeats, path),
+                          name="bound-rollout", cores=server_cores,
+                          env=child.child_env(server_cores))
+    process.join(1800)
+    code = child.reap(process)
+    if code != 0:
+      raise RuntimeError(f"the rollout measurement's child failed (exit code {code})")
+    with open(path, "rb") as f:
+      result = pickle.load(f)
+  result["rollout"]["cores"] = server_cores
+  return result
+
+
+def bound(backend: str, gin_files, bindings=(), *, samples: int = 2048,
+          updates: int = 100, repeats: int = 3) -> dict:
+  """Each role of the run `gin_files` + `bindings` describes, alone, laid out as `backend`
+  ('threads': one process; 'processes' or 'ray': generation and reward in a child on the
+  rollout server's cores), and the bound they imply (`bound_figures`)."""
+  from jaxrl_async import compilation_cache
+  from jaxrl_async.run.services import task_services
+  if backend not in ("threads", "processes", "ray"):
+    raise ValueError(f"backend must be 'threads', 'processes' or 'ray', got {backend!r}")
+  if min(samples, updates, repeats) < 1:
+    raise ValueError(f"samples, updates and repeats must be >= 1, got {samples}, {updates} "
+                     f"and {repeats}")
+  compilation_cache.enable()
+  config = load_run_config(gin_files, bindings)
+  with task_services(config, log=lambda *a: None) as run_config:
+    if backend == "threads":
+      measured = measure_rollout_and_reward(run_config, samples, repeats)
+    else:
+      measured = _rollout_in_child(run_config, samples, repeats)
+    learner = measure_learner(run_config, measured.pop("samples"), updates, repeats)
+  roles = {**measured, "learner": learner}
+  return {"kind": "workload_bound", "layout": "threads" if backend == "threads" else
+          "processes", "gin_files": list(gin_files), "gin_bindings": list(bindings),
+          "roles": roles, **bound_figures({role: roles[role]["s_per_sample"] for role in ROLES})}
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--gin_file", action="append", default=None,
+                      help="the run's gin files in order (default: gin/modes/sync.gin and "
+                           "gin/tasks/rlvr.gin)")
+  parser.add_argument("--gin_bindings", action="append", default=[])
+  parser.add_argument("--backend", choices=("threads", "processes", "ray"), default="processes")
+  parser.add_argument("--samples", type=int, default=2048, help="samples generated and scored")
+  parser.add_argument("--updates", type=int, default=100, help="learner updates timed")
+  parser.add_argument("--repeats", type=int, default=3,
+                      help="passes per role; the fastest is kept")
+  parser.add_argument("--out", default=None)
+  args = parser.parse_args(argv)
+  if min(args.samples, args.updates, args.repeats) < 1:
+    parser.error(f"--samples, --updates and --repeats must be >= 1, got {args.samples}, "
+                 f"{args.updates} and {args.repeats}")
+  os.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  files = args.gin_file or ["gin/modes/sync.gin", "gin/tasks/rlvr.gin"]
+  record = bound(args.backend, files, args.gin_bindings, samples=args.samples,
+                 updates=args.updates, repeats=args.repeats)
+  emit_json_line({"benchmark": "workload_bound", "cpu_count": os.cpu_count(),
+                  "load_average": os.getloadavg(), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                  **record}, args.out)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
