@@ -16,7 +16,9 @@ import shlex
 
 from jaxrl_async.distributed import DEFAULT_COORDINATOR_PORT, ClusterSpec
 
-DEFAULT_COMMAND = ("python", "-m", "launch.learner_check", "--mesh", "1,-1,1")
+DEFAULT_COMMAND = ("python", "-m", "launch.train", "--gin_file", "gin/modes/async_partial.gin",
+                   "--gin_file", "gin/placement/multihost.gin", "--no_progress")
+LEARNER_CHECK_COMMAND = ("python", "-m", "launch.learner_check", "--mesh", "1,-1,1")
 CONTROLLER_ROLE = "controller,learner"
 LEARNER_ROLE = "learner"
 

@@ -99,7 +99,8 @@ exit $status
 def test_sbatch_job_runs_the_learner_check_on_two_tasks(tmp_path):
   from tests.backends.test_distributed import _free_port
   script = tmp_path / "job.sbatch"
-  args = slurm.parse_args(["--nodes", "2", "--port", str(_free_port()), "--workdir", REPO])
+  args = slurm.parse_args(["--nodes", "2", "--port", str(_free_port()), "--workdir", REPO,
+                           "--", *cluster.LEARNER_CHECK_COMMAND])
   script.write_text(slurm.render(args))  # what `launch.slurm.launch` hands to sbatch
   bin_dir = tmp_path / "bin"
   bin_dir.mkdir()

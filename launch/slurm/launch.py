@@ -3,8 +3,9 @@
     python -m launch.slurm.launch --nodes 4 --gpus_per_node 8 --partition gpu --dry_run
     python -m launch.slurm.launch --nodes 2 -- python -m launch.learner_check --mesh 1,-1,2
 
-The command (default: the learner check, `python -m launch.learner_check`) runs once on every
-node. `--dry_run` prints the sbatch script, the sbatch command line and, for each task, the
+The command (default: `python -m launch.train` with the multi-process learner's mesh,
+`launch/cluster.py`'s DEFAULT_COMMAND; the learner check `python -m launch.learner_check` on
+request) runs once on every node. `--dry_run` prints the sbatch script, the sbatch command line and, for each task, the
 `jax.distributed` settings and role it resolves to from SLURM's variables (with `--nodelist`
 naming the nodes, e.g. 'gpu[01-04]'); without it the script is written to `--script` and
 submitted with sbatch.
@@ -45,7 +46,7 @@ def parse_args(argv=None):
   parser.add_argument("--dry_run", action="store_true", help="print, do not submit")
   parser.add_argument("--submit_timeout_s", type=float, default=60.0)
   parser.add_argument("command", nargs=argparse.REMAINDER,
-                      help="-- COMMAND ... (default: the learner check)")
+                      help="-- COMMAND ... (default: jaxrl-async train, multi-process)")
   args = parser.parse_args(argv)
   args.command = tuple(args.command[1:] if args.command[:1] == ["--"] else args.command)
   return args

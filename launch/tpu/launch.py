@@ -9,7 +9,8 @@
 `gcloud compute tpus tpu-vm describe NAME --zone ZONE --format='value(networkEndpoints[].ipAddress)'`);
 worker 0 is the coordinator and the controller. One `gcloud compute tpus tpu-vm ssh --worker=i`
 command per host sets JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID and JAXRL_ROLE
-and runs the command (default: the learner check) in `--workdir`. `--dry_run` prints the
+and runs the command (default: `python -m launch.train` with the multi-process learner's mesh;
+`python -m launch.learner_check` on request) in `--workdir`. `--dry_run` prints the
 commands; without it they run at once, one per host, and are waited for (`--timeout_s`).
 """
 
@@ -38,7 +39,7 @@ def parse_args(argv=None):
   parser.add_argument("--dry_run", action="store_true", help="print, do not run")
   parser.add_argument("--timeout_s", type=float, default=24 * 3600.0)
   parser.add_argument("command", nargs=argparse.REMAINDER,
-                      help="-- COMMAND ... (default: the learner check)")
+                      help="-- COMMAND ... (default: jaxrl-async train, multi-process)")
   args = parser.parse_args(argv)
   args.command = tuple(args.command[1:] if args.command[:1] == ["--"] else args.command)
   return args
