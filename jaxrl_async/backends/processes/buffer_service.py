@@ -261,7 +261,13 @@ class ForwardingBufferClient(BufferClient):
   """A `BufferClient` whose every call is forwarded to a `BufferService`'s calls (`_rpc_*`) by
   `_call(method, *args, timeout=..., **kwargs)`, `timeout` being the call's own wait (None for
   calls without one). `RemoteBufferClient` forwards over `wire`; the Ray backend's client to its
-  buffer actor."""
+  buffer actor.
+
+  `transport`: how samples travel, 'columnar' (one `wire.encode_samples` blob per batch each
+  way; samples it cannot carry exactly go pickled) or 'pickle' (every sample pickled: several
+  numpy arrays per sample, each a buffer of its own for the transport)."""
+
+  transport = "columnar"
 
   @abc.abstractmethod
   def _call(self, method: str, *args, timeout: float | None = None, **kwargs):
@@ -270,7 +276,11 @@ class ForwardingBufferClient(BufferClient):
   def put_many(self, samples, timeout):
     if not samples:
       return
-    self._call("put_many", list(samples), timeout, timeout=timeout)
+    blob = wire.try_encode_samples(samples) if self.transport == "columnar" else None
+    if blob is None:
+      self._call("put_many", list(samples), timeout, timeout=timeout)
+    else:
+      self._call("put_columns", blob, timeout, timeout=timeout)
 
   def acquire_group_slots(self, max_count, timeout, *, starts=None, holding_version=None):
     check_acquire_args(max_count, timeout)
@@ -281,7 +291,14 @@ class ForwardingBufferClient(BufferClient):
     self._call("publish_version", version)
 
   def get_groups(self, num_groups, learner_version, timeout):
-    return self._call("get_groups", num_groups, learner_version, timeout, timeout=timeout)
+    if self.transport != "columnar":
+      return self._call("get_groups", num_groups, learner_version, timeout, timeout=timeout)
+    sizes, blob = self._call("get_groups_columns", num_groups, learner_version, timeout,
+                             timeout=timeout)
+    if sizes is None:
+      return blob  # the groups themselves, pickled
+    samples, bounds = wire.decode_samples(blob), [0, *itertools.accumulate(sizes)]
+    return [samples[bounds[i]:bounds[i + 1]] for i in range(len(sizes))]
 
   def close(self):
     self._call("close")
@@ -303,9 +320,8 @@ class RemoteBufferClient(ForwardingBufferClient):
   """A `BufferClient` for a `BufferService` in another process; picklable (it carries only the
   address, the key and the client id), thread-safe (one connection per thread).
 
-  `transport`: how samples travel, 'columnar' (`wire.encode_samples`; samples it cannot carry
-  exactly go pickled) or 'pickle' (every sample pickled, the older transport, kept to measure
-  against)."""
+  `transport`: 'columnar' or 'pickle' (`ForwardingBufferClient`; 'pickle' is the older
+  transport, kept to measure against)."""
 
   def __init__(self, address, authkey: bytes, client_id: str, *,
                margin_s: float = RPC_MARGIN_S, call_timeout_s: float = 60.0,
@@ -362,23 +378,6 @@ class RemoteBufferClient(ForwardingBufferClient):
     self._local.conn = None
     if conn is not None:
       conn.close()
-
-  def put_many(self, samples, timeout):
-    blob = wire.try_encode_samples(samples) if self.transport == "columnar" and samples else None
-    if blob is None:
-      super().put_many(samples, timeout)
-    else:
-      self._call("put_columns", blob, timeout, timeout=timeout)
-
-  def get_groups(self, num_groups, learner_version, timeout):
-    if self.transport != "columnar":
-      return super().get_groups(num_groups, learner_version, timeout)
-    sizes, blob = self._call("get_groups_columns", num_groups, learner_version, timeout,
-                             timeout=timeout)
-    if sizes is None:
-      return blob  # the groups themselves, pickled
-    samples, bounds = wire.decode_samples(blob), [0, *itertools.accumulate(sizes)]
-    return [samples[bounds[i]:bounds[i + 1]] for i in range(len(sizes))]
 
   def disconnect(self):
     with self._connections_lock:

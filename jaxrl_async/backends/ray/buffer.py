@@ -4,7 +4,9 @@ The actor body (`BufferActorImpl`) keeps the buffer service's per-client bookkee
 flight per rollout server, `revoke` for a dead one) and adds what Ray restarts need: a new
 incarnation of a rollout actor `claim`s its predecessor's unfinished groups and prompt shard,
 and the re-issues are counted by reason. `RayBufferClient` is the `BufferClient` that reaches
-it with one Ray call per batch, from any process of the cluster.
+it with one Ray call per batch, from any process of the cluster; a batch of samples travels
+as one columnar blob (`processes.wire.encode_samples`), not as Sample objects whose every numpy
+array Ray would serialise as a buffer of its own.
 """
 
 from __future__ import annotations
