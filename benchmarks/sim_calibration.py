@@ -132,7 +132,7 @@ def async_profile_for(profile, backend: str, ceiling: dict | None, handoff_recor
     factors = {"contention": max(0.0, 2.0 / speedup - 1.0), "roles_speedup": speedup}
     used = dataclasses.replace(profile, contention=factors["contention"])
   per_sample, buffer_source = buffer_cost(backend)
-  used = dataclasses.replace(used, buffer_s_per_sample=per_sample)
+  used = calibrate.with_recompute(dataclasses.replace(used, buffer_s_per_sample=per_sample))
   handoff = 0.0
   if handoff_records is not None:
     simulated = simulate(used, handoff_config, seed=seed).records
@@ -156,6 +156,9 @@ def main(argv=None) -> int:
                       help="batches per role loop of the ceiling measured once after the runs "
                            "(each role alone, both together: the contention and the layout); "
                            "0: the newest stored concurrency_ceiling result")
+  parser.add_argument("--ceiling_from", default=None,
+                      help="a concurrency_ceiling result (JSON) to use instead of the one "
+                           "measured with the runs")
   parser.add_argument("--work_dir", default=os.path.join("runs", "sim_calibration"))
   parser.add_argument("--reuse", action="store_true", help="use the run directories there")
   parser.add_argument("--contention", type=float, default=None,
@@ -213,8 +216,11 @@ def main(argv=None) -> int:
     measured_idle[mode] = {role: run_summary.get(f"{role}/idle_ratio")
                            for role in ("rollout", "learner")}
     measured_handoff[mode] = run_summary.get("handoff/publish_to_enqueue_s_p50")
-  ceiling_path = os.path.join(args.work_dir, CEILING_FILE)
-  if os.path.isfile(ceiling_path):
+  ceiling_path = args.ceiling_from or os.path.join(args.work_dir, CEILING_FILE)
+  if args.ceiling_from:
+    with open(args.ceiling_from, encoding="utf-8") as f:
+      ceiling, ceiling_source = json.loads(f.readline()), os.path.basename(args.ceiling_from)
+  elif os.path.isfile(ceiling_path):
     with open(ceiling_path, encoding="utf-8") as f:
       ceiling, ceiling_source = json.load(f), f"{CEILING_FILE} (measured with the runs)"
   else:

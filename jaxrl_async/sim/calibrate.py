@@ -19,6 +19,11 @@ for the machine and the backend, never per mode:
   sample through put + get (`benchmarks/buffer_throughput.py --cross_process`) less the
   in-process buffer's, whose cost the sync run's fitted times already hold.
 
+One cost a sync run never pays is not measured but assumed (`with_recompute`): the proximal
+policy's forward pass that the 'recompute' anchor adds to every update of a window after its
+first (the sync run's windows have one update), taken as `FORWARD_FRACTION` of the update's
+cost per token (a forward pass is about a third of forward + backward in FLOPs).
+
 Pure functions of plain data; the benchmark that measures the inputs is
 `benchmarks/sim_calibration.py`.
 """
@@ -33,6 +38,7 @@ import numpy as np
 from jaxrl_async.sim.profile import Profile
 
 HANDOFF_FIELD = "handoff/publish_to_enqueue_s"
+FORWARD_FRACTION = 1.0 / 3.0
 
 
 def _need(record: dict, key: str, where: str) -> float:
@@ -109,3 +115,15 @@ def buffer_s_per_sample(cross_process_samples_per_s: float,
     if not value > 0 or not math.isfinite(value):
       raise ValueError(f"{name}={value!r} must be a positive number")
   return max(0.0, 1.0 / cross_process_samples_per_s - 1.0 / in_process_samples_per_s)
+
+
+def with_recompute(profile: Profile, forward_fraction: float = FORWARD_FRACTION) -> Profile:
+  """`profile` with the recompute pass's cost per token, `forward_fraction` of the learner's
+  cost per token, where the profile has none (a fitted sync profile)."""
+  if not 0.0 <= forward_fraction <= 1.0:
+    raise ValueError(f"forward_fraction={forward_fraction} must be in [0, 1]")
+  if profile.learner.recompute_s_per_token:
+    return profile
+  learner = dataclasses.replace(
+      profile.learner, recompute_s_per_token=forward_fraction * profile.learner.s_per_token)
+  return dataclasses.replace(profile, learner=learner)

@@ -116,3 +116,15 @@ def test_bad_handoff_and_buffer_fields_are_refused_by_name():
     profile_from_dict({**PROFILE, "handoff_s": -0.1})
   with pytest.raises(ValueError, match="buffer_s_per_sample='x'"):
     profile_from_dict({**PROFILE, "buffer_s_per_sample": "x"})
+
+
+def test_the_recompute_pass_costs_a_third_of_the_update_per_token_unless_given():
+  """s_per_token 2e-4 -> recompute 2e-4 / 3; a profile that has its own keeps it."""
+  profile = profile_from_dict(PROFILE)
+  assert calibrate.with_recompute(profile).learner.recompute_s_per_token == pytest.approx(
+      2e-4 / 3)
+  given = profile_from_dict({**PROFILE, "learner": {**PROFILE["learner"],
+                                                    "recompute_s_per_token": 1e-5}})
+  assert calibrate.with_recompute(given).learner.recompute_s_per_token == 1e-5
+  with pytest.raises(ValueError, match="forward_fraction=2"):
+    calibrate.with_recompute(profile, 2)
