@@ -19,6 +19,12 @@ if "JAXRL_ASYNC_TEST_ROOT" not in os.environ:
   _ROOT = tempfile.mkdtemp(prefix="jaxrl_async_test_")
   os.environ["JAXRL_ASYNC_TEST_ROOT"] = _ROOT
   atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)  # by the process that made it
+  # The default run's base policy ships as a fixture (tools/make_base_fixture.py): the tests
+  # that run the default task load it instead of training it (about 130 CPU-s).
+  # JAXRL_ASYNC_TEST_FRESH_BASE=1 leaves the cache empty, so the session trains it again.
+  _SHIPPED_BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "base")
+  if os.path.isdir(_SHIPPED_BASE) and not os.environ.get("JAXRL_ASYNC_TEST_FRESH_BASE"):
+    shutil.copytree(_SHIPPED_BASE, os.path.join(_ROOT, "cache", "base"))
   os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(_ROOT, "xla"))
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"

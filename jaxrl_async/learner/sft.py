@@ -105,6 +105,13 @@ def default_cache_dir() -> pathlib.Path:
   return pathlib.Path(root)
 
 
+def cache_entry(task, model_config: ModelConfig, config: WarmStartConfig,
+                cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+  """The cache directory of the base policy for (task, model, recipe): `<cache>/base/<key>`."""
+  return pathlib.Path(cache_dir or default_cache_dir()) / "base" / _cache_key(
+      task, model_config, config)
+
+
 LOCK_TIMEOUT_S = 3600.0  # a warm start that holds the lock longer is taken to be stuck
 
 
@@ -143,8 +150,7 @@ def cached_base_policy(task, model_config: ModelConfig, config: WarmStartConfig,
   """Load the base policy for (task, model, recipe) from the cache, or train and cache it (one
   process at a time per cache entry: the others wait for its copy). `checkpointer`: the orbax
   checkpointer that reads and writes the cache (default: a StandardCheckpointer)."""
-  directory = pathlib.Path(cache_dir or default_cache_dir()) / "base" / _cache_key(
-      task, model_config, config)
+  directory = cache_entry(task, model_config, config, cache_dir)
   graphdef, abstract = split_model(jax.eval_shape(lambda: init_model(model_config)))
   del graphdef
   checkpointer = ocp.StandardCheckpointer() if checkpointer is None else checkpointer
