@@ -11,6 +11,7 @@ array Ray would serialise as a buffer of its own.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from typing import Any
@@ -34,7 +35,11 @@ class BufferActorImpl:
   def __init__(self, buffer_kwargs: dict[str, Any]):
     from jaxrl_async.backends.processes.buffer_service import BufferService
     from jaxrl_async.buffer import VersionedBuffer
+    from jaxrl_async.roles import GIL_SWITCH_INTERVAL_S
 
+    # Calls run in threads of this process: a call woken by a put (the learner's take) gets
+    # the GIL within the short interval, as the buffer service's threads do.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     self.group_size = int(buffer_kwargs["group_size"])
     self.service = BufferService(VersionedBuffer(**buffer_kwargs, record_drops=True))
     self._claims = threading.Lock()
