@@ -5,9 +5,9 @@ never waits. Measured one role at a time, laid out on the cores as `--backend` l
 
 - `rollout`: generation with every decode slot full (requests queued beyond the slots, timed
   until as many samples finished as were asked for, before the queue ever runs dry), no learner
-  and no reward running; on the processes backend in a child pinned to the rollout server's
-  cores with its XLA threads (`backends.processes.child`), on the threads backend in this
-  process;
+  and no reward running; on the processes backend in one child per rollout server, each
+  pinned to its server's cores with its XLA threads (`backends.processes.child`; the servers'
+  rates added), on the threads backend in this process;
 - `reward`: the samples just generated scored by the run's reward pool with at least as many
   callers as the verifier has slots, so the service (the task's `services`, e.g. the RLVR
   workload's verifier process) verifies at its concurrency limit; the callers sit where the
@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import multiprocessing as mp
 import os
 import pickle
 import sys
@@ -42,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import emit_json_line
 
 ROLES = ("rollout", "reward", "learner")
+BARRIER_TIMEOUT_S = 600.0  # the rollout servers' children meet before each phase
 
 
 # ---- the figures (pure) --------------------------------------------------------------------
@@ -93,11 +95,15 @@ def _base_params(config, spec):
                             log=lambda *a: None)
 
 
-def measure_rollout_and_reward(config, samples: int, repeats: int = 3) -> dict:
+def measure_rollout_and_reward(config, samples: int, repeats: int = 3, *, score: bool = True,
+                               barrier=None) -> dict:
   """In the process that generates: `samples` samples at full slots, timed; then those samples
   scored by a reward pool with max(reward_workers, verifier slots) callers, timed; each
   `repeats` times, the fastest pass kept (a role that never waits runs at its fastest).
-  -> {'rollout': {...}, 'reward': {...}, 'samples': the scored samples}."""
+  `score=False` only generates; `barrier` (shared with the other servers' children) is waited
+  on before the rollout's passes and before the reward's, so the servers generate together and
+  the reward is timed with no generation running.
+  -> {'rollout': {...}, 'reward': {...} (with `score`), 'samples': the scored samples}."""
   from jaxrl_async.run import build as build_lib
   slots = config.max_concurrent_decodes
   verifier = getattr(config.task, "verifier", None)
@@ -115,6 +121,8 @@ def measure_rollout_and_reward(config, samples: int, repeats: int = 3) -> dict:
     return out
 
   batcher.run_to_completion(requests(slots))  # compiled (prefill and decode) before the clock
+  if barrier is not None:
+    barrier.wait()
   passes, done = [], []
   for _ in range(repeats):
     batcher.submit(requests(samples + slots))  # the queue outlasts the timed samples
@@ -127,6 +135,16 @@ def measure_rollout_and_reward(config, samples: int, repeats: int = 3) -> dict:
     batcher.take_pending()
     batcher.abort_active()
   done = done[:samples]
+  if barrier is not None:
+    barrier.wait()
+  lengths = [len(s.response_tokens) for s in done]
+  rollout_s, steps = min(passes)
+  rollout = {"samples": len(done), "s": rollout_s, "slots": slots, "steps": steps,
+             "s_per_sample": rollout_s / len(done), "passes_s": [p for p, _ in passes],
+             "response_len_mean": sum(lengths) / len(lengths)}
+  if not score:
+    side.rewards.close()
+    return {"rollout": rollout}
   reward_passes = []
   for _ in range(repeats):  # the same answers each pass: the same drawn latencies
     began = time.perf_counter()
@@ -134,13 +152,9 @@ def measure_rollout_and_reward(config, samples: int, repeats: int = 3) -> dict:
     reward_passes.append(time.perf_counter() - began)
   side.rewards.close()
   data = side.task.data_metrics() if hasattr(side.task, "data_metrics") else {}
-  lengths = [len(s.response_tokens) for s in scored]
-  rollout_s, steps = min(passes)
   reward_s = min(reward_passes)
   return {
-      "rollout": {"samples": len(done), "s": rollout_s, "slots": slots, "steps": steps,
-                  "s_per_sample": rollout_s / len(done), "passes_s": [p for p, _ in passes],
-                  "response_len_mean": sum(lengths) / len(lengths)},
+      "rollout": rollout,
       "reward": {"samples": len(scored), "s": reward_s, "callers": callers,
                  "s_per_sample": reward_s / len(scored), "passes_s": reward_passes,
                  **{key.split("/", 1)[1]: value for key, value in data.items()
@@ -148,12 +162,13 @@ def measure_rollout_and_reward(config, samples: int, repeats: int = 3) -> dict:
       "samples": scored}
 
 
-def rollout_child(config, samples: int, repeats: int, result_path: str) -> None:
+def rollout_child(config, samples: int, repeats: int, result_path: str, score: bool = True,
+                  barrier=None) -> None:
   """In a rollout server's place (a spawned, pinned child): `measure_rollout_and_reward`, its
   result pickled to `result_path`."""
   from jaxrl_async import compilation_cache
   compilation_cache.enable()
-  result = measure_rollout_and_reward(config, samples, repeats)
+  result = measure_rollout_and_reward(config, samples, repeats, score=score, barrier=barrier)
   with open(result_path, "wb") as f:
     pickle.dump(result, f)
 
@@ -201,22 +216,39 @@ def measure_learner(config, scored, updates: int, repeats: int = 3) -> dict:
           "s_per_sample": learner_s / consumed, "passes_s": passes}
 
 
-def _rollout_in_child(config, samples: int, repeats: int) -> dict:
+def _rollout_in_children(config, samples: int, repeats: int) -> dict:
+  """`measure_rollout_and_reward` in one spawned child per rollout server, each on the server's
+  cores (`child.core_shares`), generating at once (`samples` samples each): the rollout's rate
+  is the servers' rates added. Only the first server then scores, alone (its callers keep the
+  shared verifier at its limit; more callers would only queue)."""
   from jaxrl_async.backends.processes import child
-  _, (server_cores,) = child.core_shares(1)
-  with tempfile.TemporaryDirectory() as root:
-    path = os.path.join(root, "rollout.pkl")
-    process = child.spawn("benchmarks.workload_bound:rollout_child",
-                          (config, samples, repeats, path),
-                          name="bound-rollout", cores=server_cores,
-                          env=child.child_env(server_cores))
-    process.join(1800)
-    code = child.reap(process)
-    if code != 0:
-      raise RuntimeError(f"the rollout measurement's child failed (exit code {code})")
-    with open(path, "rb") as f:
-      result = pickle.load(f)
-  result["rollout"]["cores"] = server_cores
+  servers = config.num_rollout_servers
+  _, shares = child.core_shares(servers)
+  context = mp.get_context("spawn")
+  with tempfile.TemporaryDirectory() as root, context.Manager() as manager:
+    barrier = manager.Barrier(servers, timeout=BARRIER_TIMEOUT_S) if servers > 1 else None
+    paths = [os.path.join(root, f"rollout-{i}.pkl") for i in range(servers)]
+    processes = [child.spawn("benchmarks.workload_bound:rollout_child",
+                             (config, samples, repeats, path, i == 0, barrier),
+                             name=f"bound-rollout-{i}", cores=cores, env=child.child_env(cores))
+                 for i, (path, cores) in enumerate(zip(paths, shares, strict=True))]
+    for process in processes:
+      process.join(1800)
+      code = child.reap(process)
+      if code != 0:
+        raise RuntimeError(f"{process.name}, a rollout measurement's child, failed (exit code "
+                           f"{code})")
+    results = []
+    for path in paths:
+      with open(path, "rb") as f:
+        results.append(pickle.load(f))
+  result = results[0]
+  if servers > 1:
+    rate = sum(1.0 / r["rollout"]["s_per_sample"] for r in results)
+    result["rollout"] = {**result["rollout"], "servers": servers, "s_per_sample": 1.0 / rate,
+                         "per_server_s_per_sample": [r["rollout"]["s_per_sample"]
+                                                     for r in results]}
+  result["rollout"]["cores"] = shares
   return result
 
 
@@ -234,11 +266,13 @@ def bound(backend: str, gin_files, bindings=(), *, samples: int = 2048,
                      f"and {repeats}")
   compilation_cache.enable()
   config = load_run_config(gin_files, bindings)
+  if backend != "threads" and config.mode != "sync":  # as the run is configured (its servers)
+    config = load_run_config(gin_files, [*bindings, f"RunConfig.backend = '{backend}'"])
   with task_services(config, log=lambda *a: None) as run_config:
     if backend == "threads":
       measured = measure_rollout_and_reward(run_config, samples, repeats)
     else:
-      measured = _rollout_in_child(run_config, samples, repeats)
+      measured = _rollout_in_children(run_config, samples, repeats)
     learner = measure_learner(run_config, measured.pop("samples"), updates, repeats)
   roles = {**measured, "learner": learner}
   return {"kind": "workload_bound", "layout": "threads" if backend == "threads" else
