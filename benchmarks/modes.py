@@ -174,7 +174,8 @@ def main(argv=None) -> int:
   parser.add_argument("--gin_bindings", action="append", default=[])
   parser.add_argument("--variant", action="append", default=[],
                       help="NAME=MODE:BINDING[;BINDING...]: one more run, of MODE's gin file "
-                           "with these bindings on top, reported as NAME (e.g. "
+                           "(a mode, or recipes/NAME for a recipe) with these bindings on top, "
+                           "reported as NAME (e.g. "
                            "'async_partial_t2=async_partial:RunConfig.trigger_parameter_sync_step"
                            " = 2')")
   parser.add_argument("--backend", choices=("threads", "processes", "ray"), default="threads",
@@ -218,9 +219,10 @@ def main(argv=None) -> int:
   for spec in args.variant:
     name, _, rest = spec.partition("=")
     mode, _, extra = rest.partition(":")
-    if not name or mode not in MODES or name in runs:
+    known = mode in MODES or (mode.startswith("recipes/") and os.path.isfile(gin_file(mode)))
+    if not name or not known or name in runs:
       parser.error(f"--variant {spec!r}: want NAME=MODE:BINDING[;BINDING...] with a new NAME "
-                   f"and MODE in {MODES}")
+                   f"and MODE in {MODES} or recipes/<a recipe of gin/recipes/>")
     runs[name] = (mode, [b.strip() for b in extra.split(";") if b.strip()])
   for path in args.task_file:
     if not os.path.isfile(path):

@@ -173,6 +173,8 @@ def test_modes_refuses_a_missing_task_file_and_an_unknown_bound_run(tmp_path, mo
   with pytest.raises(SystemExit):
     modes.main(["--task_file", "gin/tasks/rlvr.gin", "--modes", "sync",
                 "--bound_run", "async_partial"])
+  with pytest.raises(SystemExit):  # a variant of a recipe that does not exist
+    modes.main(["--variant", "x=recipes/no_such_recipe:RunConfig.seed = 1", "--modes", "sync"])
   runs = {"sync": ("sync", []), "verl_fully_async": ("recipes/verl_fully_async", [])}
   assert modes.bound_run(runs, None) == "verl_fully_async"  # the first async run
   assert modes.bound_run({"sync": ("sync", [])}, None) == "sync"
