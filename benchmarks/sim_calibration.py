@@ -1,36 +1,32 @@
 """Calibration here: the simulator, fed the profile of a measured sync run, predicts the
-measured samples/s of every mode of benchmarks/modes.py (same backend, same budget).
+measured samples/s of every mode of benchmarks/modes.py and of verl's recipes (same backend,
+same budget).
 
-    python benchmarks/sim_calibration.py --total_samples 6400 --work_dir runs/calibration \
+    python benchmarks/sim_calibration.py --total_samples 12800 --work_dir runs/calibration \
         --out benchmarks/results/sim_calibration
 
-Runs the five modes as benchmarks/modes.py does (its `run_mode`, each from its gin file, after
-a discarded warm-up run per mode), keeping each run directory; fits the profile from the sync
-run's metrics.jsonl (`jaxrl-async simulate --profile_from`); simulates every mode with that
-profile and the mode's own knobs; prints predicted and measured samples/s and the error.
-`--reuse` skips the runs and reads the run directories of an earlier call.
+Runs the five modes and the recipes of `--recipes` as benchmarks/modes.py does (its
+`run_mode`, each from its gin file, after a discarded warm-up run of each), keeping each run
+directory. Then it measures, once, the concurrency ceiling (`concurrency_ceiling.ceiling`: each
+role's loop alone in one process, alone in the backend's layout, and both together).
+`--reuse` skips all of this and reads the directories of an earlier call.
 
-The async modes run their roles on `--backend` (default: separate processes; 'threads': one
-process). The simulator models the roles as sharing one host with contention c (k roles
-computing at once each run at 1 / (1 + c (k - 1)) speed), with c = 2 / speedup - 1 from
-benchmarks/concurrency_ceiling.py's newest result: two XLA processes at once (processes) or
-the two role loops in threads (threads); or --contention.
+The profile is fitted on the sync run alone (`fit.profile_from_run`). The async modes get it
+with the parameters a sync run cannot show (jaxrl_async/sim/calibrate.py, docs/simulator.md),
+each measured once and shared by every mode:
+- processes backend: each role's cost scaled to the layout, and each role's contention, from
+  the ceiling (`--ceiling_from FILE` takes a stored concurrency_ceiling result instead);
+  threads: one contention c = 2 / speedup - 1 from the ceiling's `roles`; `--contention`
+  gives one c and no layout;
+- the hand-off latency, from the records of the `--handoff_mode` warm-up run (default
+  on_policy) against a simulation of that run without one;
+- the buffer's cost per sample (processes backend), from the newest stored cross-process and
+  in-process buffer_throughput results;
+- the recompute pass of a window's later updates, assumed at a third of an update per token.
+The learner's fixed share of an update (`learner_fixed_fraction`) comes from the ceiling's
+`roles` (the learner loop on whole and on half batches), or `--learner_fixed_fraction`.
 
-On the processes backend the roles also run at other speeds than in the sync run the profile
-comes from: the rollout server on its own core with one XLA thread, the learner beside it.
-`--layout measured` (the default there) takes that from the same concurrency_ceiling result's
-`roles_processes` figures, measured on the default run's role loops: rollout decode steps
-scaled by rollout_pinned / rollout in one process, learner costs by learner alone / learner in
-one process, and a contention for each role from how much its loop slows while the other
-runs beside it (rollout: its batches beside the learner / rollout pinned alone - 1; learner:
-its batches beside the rollout / learner alone - 1); a result without the per-role figures
-gives one c for both (both at once / rollout pinned alone - 1). `--layout none` keeps the
-sync run's speeds.
-
-The sync run's updates all have one size, so its fit cannot tell the learner's cost per update
-from its cost per token (stream_off_policy's updates are half as big). The same result's
-`roles.learner_fixed_fraction` (the learner loop on whole and on half batches) splits them, or
-`--learner_fixed_fraction`.
+Prints predicted and measured samples/s, the error, idle ratios and hand-off p50s per mode.
 """
 
 from __future__ import annotations
