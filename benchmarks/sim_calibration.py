@@ -22,6 +22,7 @@ each measured once and shared by every mode:
   on_policy) against a simulation of that run without one;
 - the buffer's cost per sample (processes backend), from the newest stored cross-process and
   in-process buffer_throughput results;
+- the run's edges (the servers starting and stopping), from that same warm-up run;
 - the recompute pass of a window's later updates, assumed at a third of an update per token.
 The learner's fixed share of an update (`learner_fixed_fraction`) comes from the ceiling's
 `roles` (the learner loop on whole and on half batches), or `--learner_fixed_fraction`.
@@ -35,6 +36,7 @@ import argparse
 import dataclasses
 import glob
 import json
+import math
 import os
 import sys
 import time
@@ -112,7 +114,8 @@ def run_configs(names, bindings) -> dict:
 
 
 def async_profile_for(profile, backend: str, ceiling: dict | None, handoff_records: list | None,
-                      handoff_config, seed: int, contention: float | None = None) -> tuple:
+                      handoff_config, seed: int, contention: float | None = None,
+                      handoff_wall_s: float = math.nan) -> tuple:
   """The sync run's profile with the three once-measured parameters (sim/calibrate.py): the
   layout and contention from `ceiling` (or one given `contention`, no layout), the buffer's
   cost per sample, and the hand-off latency from `handoff_records` (an async run's records,
@@ -129,13 +132,18 @@ def async_profile_for(profile, backend: str, ceiling: dict | None, handoff_recor
     used = dataclasses.replace(profile, contention=factors["contention"])
   per_sample, buffer_source = buffer_cost(backend)
   used = calibrate.with_recompute(dataclasses.replace(used, buffer_s_per_sample=per_sample))
-  handoff = 0.0
+  handoff = startup = shutdown = 0.0
   if handoff_records is not None:
-    simulated = simulate(used, handoff_config, seed=seed).records
+    simulated = simulate(dataclasses.replace(used, startup_s=0.0), handoff_config,
+                         seed=seed).records
     handoff = calibrate.handoff_latency(handoff_records, simulated)
+    startup, shutdown = calibrate.run_edges(handoff_records, handoff_wall_s, simulated)
     factors["handoff_measured_p50_s"] = calibrate.median_handoff(handoff_records)
     factors["handoff_simulated_p50_s"] = calibrate.median_handoff(simulated)
-  factors.update(handoff_s=handoff, buffer_s_per_sample=per_sample, buffer_source=buffer_source)
+  factors.update(handoff_s=handoff, buffer_s_per_sample=per_sample, buffer_source=buffer_source,
+                 startup_s=startup, shutdown_s=shutdown)
+  if handoff_records is not None:
+    used = dataclasses.replace(used, startup_s=startup, shutdown_s=shutdown)
   return dataclasses.replace(used, handoff_s=handoff), factors
 
 
@@ -232,10 +240,16 @@ def main(argv=None) -> int:
                                  learner_fixed_fraction=fixed_fraction)
   handoff_path = os.path.join(args.work_dir, f"warmup-{args.handoff_mode}", "metrics.jsonl")
   handoff_records = read_jsonl(handoff_path) if os.path.isfile(handoff_path) else None
+  handoff_wall_s = math.nan
+  if handoff_records is not None:
+    with open(os.path.join(os.path.dirname(handoff_path), "summary.json"),
+              encoding="utf-8") as f:
+      handoff_wall_s = json.load(f)["system/wall_s"]
   handoff_config = run_configs([args.handoff_mode], [
       *bindings, f"RunConfig.total_samples = {args.warmup_samples}"])[args.handoff_mode]
   async_profile, factors = async_profile_for(profile, args.backend, ceiling, handoff_records,
-                                             handoff_config, args.seed, args.contention)
+                                             handoff_config, args.seed, args.contention,
+                                             handoff_wall_s)
   factors["handoff_source"] = (f"warmup-{args.handoff_mode} run's records"
                                if handoff_records is not None else "no run: 0")
   configs = run_configs(modes, bindings)

@@ -19,6 +19,10 @@ for the machine and the backend, never per mode:
   sample through put + get (`benchmarks/buffer_throughput.py --cross_process`) less the
   in-process buffer's, whose cost the sync run's fitted times already hold.
 
+- the run's edges (`run_edges`): the async backends start and stop their servers, which a
+  sync run in one process does not; from the same async run's records and summary, the time
+  before its first version less the simulated one, and its wall time after its last version.
+
 One cost a sync run never pays is not measured but assumed (`with_recompute`): the proximal
 policy's forward pass that the 'recompute' anchor adds to every update of a window after its
 first (the sync run's windows have one update), taken as `FORWARD_FRACTION` of the update's
@@ -127,3 +131,19 @@ def with_recompute(profile: Profile, forward_fraction: float = FORWARD_FRACTION)
   learner = dataclasses.replace(
       profile.learner, recompute_s_per_token=forward_fraction * profile.learner.s_per_token)
   return dataclasses.replace(profile, learner=learner)
+
+
+def run_edges(measured: list[dict], measured_wall_s: float,
+              simulated: list[dict]) -> tuple[float, float]:
+  """(startup_s, shutdown_s): the measured run's first version record came this much later
+  than the simulated run's (started with no startup), and its summary's wall time ends this
+  long after its last version record; both at least 0."""
+  versions = [r for r in measured if "algo/version_gap_max" in r]
+  simulated = [r for r in simulated if "algo/version_gap_max" in r]
+  if not versions or not simulated:
+    raise ValueError("run_edges needs per-version records of the measured and simulated runs")
+  if not math.isfinite(measured_wall_s) or measured_wall_s < versions[-1]["time_s"]:
+    raise ValueError(f"measured_wall_s={measured_wall_s!r} must be a finite time at or after "
+                     f"the last version record ({versions[-1]['time_s']})")
+  startup = max(0.0, versions[0]["time_s"] - simulated[0]["time_s"])
+  return startup, measured_wall_s - versions[-1]["time_s"]

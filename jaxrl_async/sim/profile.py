@@ -32,7 +32,10 @@ loops that `simulator.py` drives. Times are seconds of the virtual clock.
 - buffer_s_per_sample: host time per consumed sample on the learner's thread in the async
   modes (samples crossing into the learner's process: decoding, assembly), beside the sync run's
   in-process buffer whose cost is already in its fitted times.
-- startup_s: time before the first version starts (tracing, compilation).
+- startup_s: time before the first version starts (tracing, compilation; the async backends'
+  servers starting).
+- shutdown_s: time after the last version until the run ends (the servers stopping); counts in
+  the summary's wall time and samples/s, as in a real run's summary.
 - token_block: real tokens per simulated token entry (1 = exact per-token versions; a larger
   block keeps long responses cheap to simulate, versions then change only at block edges).
 """
@@ -212,6 +215,7 @@ class Profile:
   handoff_s: float = 0.0
   buffer_s_per_sample: float = 0.0
   startup_s: float = 0.0
+  shutdown_s: float = 0.0
   token_block: int = 1
   notes: tuple = ()  # every assumed number and its source, in words
 
@@ -225,7 +229,7 @@ class Profile:
     if self.learner_contention is not None:
       _positive("learner_contention", self.learner_contention, zero_ok=True)
     for name in ("sync_mode_overhead_s", "version_overhead_s", "handoff_s",
-                 "buffer_s_per_sample", "startup_s"):
+                 "buffer_s_per_sample", "startup_s", "shutdown_s"):
       _positive(name, getattr(self, name), zero_ok=True)
 
   def resources(self, mode: str) -> tuple[RolloutCost, LearnerCost]:

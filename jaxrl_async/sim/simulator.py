@@ -247,6 +247,10 @@ def summarise(recorder: Recorder, config: RunConfig, profile: Profile, counts: d
   summary = {k: v for k, v in last.items() if k.startswith(("system/", "rollout/", "reward/",
                                                              "learner/", "sync/", "queue/",
                                                              "sim/"))}
+  if profile.shutdown_s:  # the run ends after its servers stop, as a real summary counts it
+    wall = last["system/wall_s"] + profile.shutdown_s
+    summary.update({"system/wall_s": wall, "system/samples_per_s": last["samples"] / wall,
+                    "system/tokens_per_s": last["system/tokens_per_s"] * last["time_s"] / wall})
   summary.update({
       "mode": config.mode, "profile": profile.name, "policy_version": last["policy_version"],
       "learner_step": last["learner_step"], "consumed_samples": recorder.samples,

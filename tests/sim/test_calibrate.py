@@ -128,3 +128,26 @@ def test_the_recompute_pass_costs_a_third_of_the_update_per_token_unless_given()
   assert calibrate.with_recompute(given).learner.recompute_s_per_token == 1e-5
   with pytest.raises(ValueError, match="forward_fraction=2"):
     calibrate.with_recompute(profile, 2)
+
+
+def test_run_edges_are_the_measured_startup_beyond_the_simulated_one_and_the_tail():
+  """First version at 1.5 s measured, 0.25 s simulated: startup 1.25 s; wall 12 s, last
+  version at 10.5 s: shutdown 1.5 s."""
+  measured = [{"policy_version": 0, "time_s": 0.1},  # an eval record: not a version
+              {"policy_version": 1, "algo/version_gap_max": 0, "time_s": 1.5},
+              {"policy_version": 2, "algo/version_gap_max": 0, "time_s": 10.5}]
+  simulated = [{"policy_version": 1, "algo/version_gap_max": 0, "time_s": 0.25}]
+  assert calibrate.run_edges(measured, 12.0, simulated) == pytest.approx((1.25, 1.5))
+  assert calibrate.run_edges(measured, 12.0, [{**simulated[0], "time_s": 2.0}])[0] == 0.0
+  with pytest.raises(ValueError, match="measured_wall_s=9.0"):
+    calibrate.run_edges(measured, 9.0, simulated)
+
+
+def test_shutdown_counts_in_the_summarys_wall_time_and_samples_per_s():
+  config = RunConfig(mode="async_stale", staleness_threshold=0.5, **GEOMETRY)
+  base = profile_from_dict(FIXED)
+  plain = simulate(base, config).summary
+  tail = simulate(dataclasses.replace(base, shutdown_s=2.0), config).summary
+  assert tail["system/wall_s"] == pytest.approx(plain["system/wall_s"] + 2.0)
+  assert tail["system/samples_per_s"] == pytest.approx(
+      plain["consumed_samples"] / (plain["system/wall_s"] + 2.0))
