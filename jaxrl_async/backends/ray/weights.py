@@ -3,9 +3,7 @@
 `WeightStoreImpl` (a Ray actor body) holds a reference to the newest version's host copy;
 `RayWeightChannel` publishes there from the learner and fetches onto the caller's devices (its
 rollout mesh's shardings), on any node. Readers learn of a new version from one long-polling
-call at a time, so asking for the latest version between decode steps costs no Ray call; that
-call's answer carries the version's object reference too, so fetching the version it announced
-reads the object at once, without asking the store again.
+call at a time, so asking for the latest version between decode steps costs no Ray call.
 """
 
 from __future__ import annotations
@@ -49,13 +47,9 @@ class WeightStoreImpl:
       return self._version
 
   def wait(self, newer_than: int, timeout: float) -> int:
-    return self.watch(newer_than, timeout)[0]
-
-  def watch(self, newer_than: int, timeout: float) -> tuple[int, list]:
-    """`wait`, answering (version, [its reference]) as `get` does."""
     with self._cond:
       self._cond.wait_for(lambda: self._version > newer_than, timeout=timeout)
-      return self._version, [self._ref]
+      return self._version
 
   def get(self) -> tuple[int, list]:
     with self._cond:
@@ -83,7 +77,6 @@ class RayWeightChannel(WeightChannel):
     self._fetched: tuple[int, Any] | None = None
     self._refs: list = []  # this publisher's last versions stay alive while readers fetch them
     self._remote = -1  # the newest version the store has announced, as last seen here
-    self._remote_ref: list | None = None  # [its object reference], when the watch brought it
     self._closed = threading.Event()
     self._watcher: threading.Thread | None = None
     self._watch_error: BaseException | None = None
@@ -108,14 +101,14 @@ class RayWeightChannel(WeightChannel):
     self._get(self.store.publish.remote(int(version), [ref]))
     self._refs = (self._refs + [ref])[-2:]
     self._announce(version, time.perf_counter() - began, tree_bytes(host))
-    self._seen_version(int(version), [ref])
+    self._seen_version(int(version))
 
   # The rollout side asks for the latest version between decode steps: one long-polling call
   # to the store (in a named thread) keeps a local copy, so asking costs no Ray call.
-  def _seen_version(self, version: int, boxed_ref: list | None = None) -> None:
+  def _seen_version(self, version: int) -> None:
     with self._cond:
       if version > self._remote:
-        self._remote, self._remote_ref = version, boxed_ref
+        self._remote = version
         self._cond.notify_all()
 
   def _watch(self) -> None:
@@ -123,8 +116,7 @@ class RayWeightChannel(WeightChannel):
       with self._cond:
         seen = self._remote
       try:
-        version, boxed = self._get(self.store.watch.remote(seen, WATCH_S), WATCH_S)
-        self._seen_version(int(version), boxed if version >= 0 else None)
+        self._seen_version(int(self._get(self.store.wait.remote(seen, WATCH_S), WATCH_S)))
       except Exception as error:  # the store is gone (end of run): readers see the last one
         self._watch_error = error
         self._closed.wait(WATCH_S)
@@ -156,12 +148,7 @@ class RayWeightChannel(WeightChannel):
       self._watcher = None
 
   def fetch(self):
-    """(version, params) of the newest version this reader knows of (`latest_version`: the
-    watch brings each new one within one call of the store), on this process's devices."""
-    with self._cond:  # the newest version the watch announced, if it brought its reference
-      version, boxed = self._remote, self._remote_ref
-    if boxed is None:
-      version, boxed = self._get(self.store.get.remote())
+    version, boxed = self._get(self.store.get.remote())
     if version < 0:
       raise LookupError("no weights published yet")
     if self._fetched is not None and self._fetched[0] == version:
