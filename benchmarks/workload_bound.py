@@ -121,6 +121,7 @@ def measure_rollout_and_reward(config, samples: int, repeats: int = 3, *, score:
     return out
 
   batcher.run_to_completion(requests(slots))  # compiled (prefill and decode) before the clock
+  max_steps = (samples + slots) * (side.task.max_response_len + 1)  # every sample is capped
   if barrier is not None:
     barrier.wait()
   passes, done = [], []
@@ -131,6 +132,8 @@ def measure_rollout_and_reward(config, samples: int, repeats: int = 3, *, score:
     while len(done) < samples:
       done += batcher.step()
       steps += 1
+      if steps > max_steps:
+        raise RuntimeError(f"{steps} decode steps made {len(done)} of {samples} samples")
     passes.append((time.perf_counter() - began, steps))
     batcher.take_pending()
     batcher.abort_active()
