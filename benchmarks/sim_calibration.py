@@ -160,6 +160,10 @@ def main(argv=None) -> int:
                       help="batches per role loop of the ceiling measured once after the runs "
                            "(each role alone, both together: the contention and the layout); "
                            "0: the newest stored concurrency_ceiling result")
+  parser.add_argument("--ceiling_repeats", type=int, default=1,
+                      help="ceilings measured one after another; each figure is their median")
+  parser.add_argument("--ceiling_only", action="store_true",
+                      help="with --reuse: measure the ceiling into --work_dir, then predict")
   parser.add_argument("--ceiling_from", default=None,
                       help="a concurrency_ceiling result (JSON) to use instead of the one "
                            "measured with the runs")
@@ -186,6 +190,15 @@ def main(argv=None) -> int:
               "RunConfig.checkpoint_every_versions = 1000000", *args.gin_bindings]
   load_path = os.path.join(args.work_dir, "load_average.json")
   measured = {}
+  if args.reuse and args.ceiling_only:
+    compilation_cache.enable()
+    ceiling = calibrate.median_ceiling([
+        concurrency_ceiling.ceiling(args.backend, args.ceiling_batches)
+        for _ in range(args.ceiling_repeats)])
+    ceiling.update(repeats=args.ceiling_repeats, timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                   load_average=os.getloadavg()[0])
+    with open(os.path.join(args.work_dir, CEILING_FILE), "w", encoding="utf-8") as f:
+      json.dump(ceiling, f)
   if not args.reuse:
     load_before = os.getloadavg()[0]
     compilation_cache.enable()
@@ -201,7 +214,10 @@ def main(argv=None) -> int:
     if args.ceiling_batches:
       print("concurrency ceiling (each role alone, both together) ...", file=sys.stderr,
             flush=True)
-      measured_ceiling = concurrency_ceiling.ceiling(args.backend, args.ceiling_batches)
+      measured_ceiling = calibrate.median_ceiling([
+          concurrency_ceiling.ceiling(args.backend, args.ceiling_batches)
+          for _ in range(args.ceiling_repeats)])
+      measured_ceiling["repeats"] = args.ceiling_repeats
       measured_ceiling["timestamp"] = time.strftime("%Y-%m-%dT%H:%M:%S")
       with open(os.path.join(args.work_dir, CEILING_FILE), "w", encoding="utf-8") as f:
         json.dump(measured_ceiling, f)

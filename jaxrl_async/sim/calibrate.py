@@ -147,3 +147,23 @@ def run_edges(measured: list[dict], measured_wall_s: float,
                      f"the last version record ({versions[-1]['time_s']})")
   startup = max(0.0, versions[0]["time_s"] - simulated[0]["time_s"])
   return startup, measured_wall_s - versions[-1]["time_s"]
+
+
+def median_ceiling(results: list[dict]) -> dict:
+  """The median, field by field, of repeated concurrency_ceiling results (nested numbers; other
+  values from the first): repeats taken in turn spread the machine's changing load over every
+  phase instead of leaving it to whichever phase it hit."""
+  if not results:
+    raise ValueError("median_ceiling needs at least one result")
+  first = results[0]
+  out = {}
+  for key, value in first.items():
+    values = [r.get(key) for r in results]
+    if isinstance(value, dict):
+      out[key] = median_ceiling([v for v in values if isinstance(v, dict)])
+    elif isinstance(value, (int, float)) and not isinstance(value, bool) and all(
+        isinstance(v, (int, float)) for v in values):
+      out[key] = float(np.median(values))
+    else:
+      out[key] = value
+  return out

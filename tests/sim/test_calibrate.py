@@ -151,3 +151,12 @@ def test_shutdown_counts_in_the_summarys_wall_time_and_samples_per_s():
   assert tail["system/wall_s"] == pytest.approx(plain["system/wall_s"] + 2.0)
   assert tail["system/samples_per_s"] == pytest.approx(
       plain["consumed_samples"] / (plain["system/wall_s"] + 2.0))
+
+
+def test_the_median_ceiling_takes_each_figure_s_median_over_the_repeats():
+  runs = [{"kind": "core_overlap", "roles": {"learner_ms_per_batch": v, "batches": 100}}
+          for v in (10.0, 30.0, 12.0)]
+  out = calibrate.median_ceiling(runs)
+  assert out == {"kind": "core_overlap", "roles": {"learner_ms_per_batch": 12.0, "batches": 100}}
+  with pytest.raises(ValueError, match="at least one"):
+    calibrate.median_ceiling([])
