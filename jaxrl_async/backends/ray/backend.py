@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -47,7 +46,6 @@ from jaxrl_async.backends.ray.placement import require_ray
 from jaxrl_async.backends.ray.weights import RayWeightChannel
 from jaxrl_async.backends.rollout_server import RolloutServer
 from jaxrl_async.config import RunConfig
-from jaxrl_async.roles import GIL_SWITCH_INTERVAL_S
 from jaxrl_async.run.build import Parts, buffer_kwargs
 
 REISSUE_REASONS = ("actor_restarted", "server_unresponsive")
@@ -68,10 +66,6 @@ class RolloutActorImpl:
   def __init__(self, config, index: int, num_servers: int, buffer_actor, channel_spec: dict,
                restore):
     ray = require_ray()
-    # The actor's process is the server's own: its loop, reward threads, weight watch and Ray's
-    # call threads share the GIL, and at Python's default 5 ms switch interval a woken thread
-    # (a new version, a put's reply) waits up to that long behind a decode step.
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     restarted = ray.get_runtime_context().was_current_actor_reconstructed
     claim = ray.get(buffer_actor.claim.remote(index, restore, restarted),
                     timeout=RESTART_WAIT_S)

@@ -4,14 +4,11 @@ The actor body (`BufferActorImpl`) keeps the buffer service's per-client bookkee
 flight per rollout server, `revoke` for a dead one) and adds what Ray restarts need: a new
 incarnation of a rollout actor `claim`s its predecessor's unfinished groups and prompt shard,
 and the re-issues are counted by reason. `RayBufferClient` is the `BufferClient` that reaches
-it with one Ray call per batch, from any process of the cluster; a batch of samples travels
-as one columnar blob (`processes.wire.encode_samples`), not as Sample objects whose every numpy
-array Ray would serialise as a buffer of its own.
+it with one Ray call per batch, from any process of the cluster.
 """
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from typing import Any
@@ -35,11 +32,7 @@ class BufferActorImpl:
   def __init__(self, buffer_kwargs: dict[str, Any]):
     from jaxrl_async.backends.processes.buffer_service import BufferService
     from jaxrl_async.buffer import VersionedBuffer
-    from jaxrl_async.roles import GIL_SWITCH_INTERVAL_S
 
-    # Calls run in threads of this process: a call woken by a put (the learner's take) gets
-    # the GIL within the short interval, as the buffer service's threads do.
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     self.group_size = int(buffer_kwargs["group_size"])
     self.service = BufferService(VersionedBuffer(**buffer_kwargs, record_drops=True))
     self._claims = threading.Lock()
@@ -166,7 +159,13 @@ def start_buffer_actor(buffer_kwargs: dict[str, Any], **placement):
 class RayBufferClient(ForwardingBufferClient):
   """A `BufferClient` for a `BufferActor`, from any process of the Ray cluster; picklable (it
   carries the actor handle and its client id), thread-safe. Its calls are the buffer service's
-  (`ForwardingBufferClient`), each one Ray call to the actor."""
+  (`ForwardingBufferClient`), each one Ray call to the actor.
+
+  Samples travel as Sample objects ('pickle'): the columnar blob of the processes transport
+  made Ray runs slower here (about 430 against 550 samples/s, async_partial, run by run under
+  load), so Ray serialises the samples itself."""
+
+  transport = "pickle"
 
   def __init__(self, actor, client_id: str, *, margin_s: float = RPC_MARGIN_S):
     self.actor = actor
