@@ -66,8 +66,10 @@ def test_tpu_dry_run_prints_one_command_per_host(capsys):
     assert line.startswith("gcloud compute tpus tpu-vm ssh slice --zone=us-west4-a --project=p "
                            f"--worker={worker} ")
     role = "controller,learner" if worker == 0 else "learner"
+    # The default command: `train` with every host's devices in one learner mesh.
     assert (f"cd ~/jaxrl_async && JAX_COORDINATOR_ADDRESS=10.0.0.2:12355 JAX_NUM_PROCESSES=4 "
-            f"JAX_PROCESS_ID={worker} JAXRL_ROLE={role} python -m launch.learner_check") in line
+            f"JAX_PROCESS_ID={worker} JAXRL_ROLE={role} python -m launch.train --gin_file "
+            "gin/modes/async_partial.gin --gin_file gin/placement/multihost.gin") in line
 
 
 @pytest.mark.parametrize("launcher, args", [
