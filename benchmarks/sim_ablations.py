@@ -14,13 +14,13 @@ learner's update of it) and the published one. Nothing is fitted to the publishe
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import common
 from benchmarks.sim_verl import predict
 from jaxrl_async.sim import ablations, published
 
@@ -60,12 +60,7 @@ def main(argv=None) -> int:
   line = {"benchmark": "sim_ablations", "num_versions": args.num_versions, "seed": args.seed,
           "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "load_average": os.getloadavg()[0],
           "elapsed_s": time.perf_counter() - began, "ablations": shapes, "table": rows}
-  if args.out:
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out + ".json", "w", encoding="utf-8") as f:
-      json.dump(line, f, indent=1, default=float)
-  print(json.dumps(line, default=float))
-  return 0
+  return common.emit_result(line, args.out)
 
 
 if __name__ == "__main__":

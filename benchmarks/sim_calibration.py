@@ -44,7 +44,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gin
-from benchmarks import concurrency_ceiling
+from benchmarks import common, concurrency_ceiling
 from benchmarks import modes as modes_benchmark
 from jaxrl_async import compilation_cache
 from jaxrl_async import config as config_lib
@@ -299,12 +299,7 @@ def main(argv=None) -> int:
           "learner_fixed_fraction_source": fixed_source,
           "profile": profile.to_dict(), "async_profile": async_profile.to_dict(),
           "modes": table}
-  if args.out:
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out + ".json", "w", encoding="utf-8") as f:
-      json.dump(line, f, indent=1, default=float)
-  print(json.dumps(line, default=float))
-  return 0
+  return common.emit_result(line, args.out)
 
 
 if __name__ == "__main__":

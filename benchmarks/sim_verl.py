@@ -25,6 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import common
 from jaxrl_async.sim import published, simulate
 
 MODE_ROWS = {"stream_off_policy": "stream_off_policy (trigger 4, require 4, s=0)",
@@ -106,12 +107,7 @@ def main(argv=None) -> int:
           "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
           "load_average": os.getloadavg()[0], "elapsed_s": time.perf_counter() - began,
           "gpus": table}
-  if args.out:
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out + ".json", "w", encoding="utf-8") as f:
-      json.dump(line, f, indent=1, default=float)
-  print(json.dumps(line, default=float))
-  return 0
+  return common.emit_result(line, args.out)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,22 @@ def start(run_dir, gin_file, bindings, *, resume=False, faults_plan=None, env=No
                           stderr=subprocess.PIPE, text=True)
 
 
+def reap(procs, timeout_s: float) -> list:
+  """Waits for every (process, log file) pair, each at most `timeout_s`; kills the ones still
+  running and closes the logs. Returns the exit codes of those that ended in time."""
+  codes = []
+  try:
+    for proc, _ in procs:
+      codes.append(proc.wait(timeout=timeout_s))
+  finally:
+    for proc, log in procs:
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=30)
+      log.close()
+  return codes
+
+
 def finish(process, timeout_s: float):
   """(returncode, stdout, stderr, seconds waited); a process past the timeout is killed."""
   began = time.monotonic()

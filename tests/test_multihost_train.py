@@ -49,7 +49,7 @@ def start_two(tmp_path, run_dir, bindings, *, resume=False, tag="a"):
   port = _free_port()
   procs = []
   for process_id in (0, 1):
-    log = open(tmp_path / f"{tag}{process_id}.log", "w")  # noqa: SIM115 (closed by reap)
+    log = open(tmp_path / f"{tag}{process_id}.log", "w")  # noqa: SIM115 (closed by run_lives.reap)
     extra = ["--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2",
              "--process_id", str(process_id), "--init_timeout_s", "120"]
     procs.append((subprocess.Popen(_argv(run_dir, [SYNC, MULTIHOST], bindings, resume=resume,
@@ -57,20 +57,6 @@ def start_two(tmp_path, run_dir, bindings, *, resume=False, tag="a"):
                                    cwd=run_lives.ROOT, env=_env(2), stdout=log,
                                    stderr=subprocess.STDOUT), log))
   return procs
-
-
-def reap(procs, timeout_s):
-  codes = []
-  try:
-    for proc, _ in procs:
-      codes.append(proc.wait(timeout=timeout_s))
-  finally:
-    for proc, log in procs:
-      if proc.poll() is None:
-        proc.kill()
-        proc.wait(timeout=30)
-      log.close()
-  return codes
 
 
 def final_params(run_dir):
@@ -104,7 +90,7 @@ def test_two_processes_equal_one_process_and_audit_clean(tmp_path):
   procs = start_two(tmp_path, two, BINDINGS)
   single = subprocess.run(_argv(one, [SYNC, MULTIHOST], BINDINGS), cwd=run_lives.ROOT,
                           env=_env(4), capture_output=True, text=True, timeout=600, check=False)
-  codes = reap(procs, 600)
+  codes = run_lives.reap(procs, 600)
   assert single.returncode == 0, single.stderr[-3000:]
   assert codes == [0, 0], _logs(tmp_path, "a")
   summary = json.loads((two / "summary.json").read_text())
@@ -132,13 +118,13 @@ def test_sigkill_of_the_other_learner_process_then_resume(tmp_path):
     time.sleep(0.5)
   assert (checkpoints / "2").exists(), _logs(tmp_path, "a")
   procs[1][0].send_signal(signal.SIGKILL)
-  codes = reap(procs, 180)  # a bounded stop, not a hang (reap kills past it: code None)
+  codes = run_lives.reap(procs, 180)  # a bounded stop, not a hang (reap kills past it: code None)
   assert codes[0] == 1, _logs(tmp_path, "a")
   out = (tmp_path / "a0.log").read_text()
   assert "the run stopped" in out and "the learner's state spans that process" in out, out[-3000:]
   assert "--resume" in out
   procs = start_two(tmp_path, run_dir, bindings, resume=True, tag="b")
-  codes = reap(procs, 600)
+  codes = run_lives.reap(procs, 600)
   assert codes == [0, 0], _logs(tmp_path, "b")
   summary = json.loads((run_dir / "summary.json").read_text())
   assert summary["policy_version"] == 20

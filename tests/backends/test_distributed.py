@@ -13,6 +13,7 @@ import pytest
 
 from jaxrl_async import distributed, sharding
 from launch import learner_check
+from tests import run_lives
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -103,25 +104,10 @@ def _start_processes(tmp_path, num_processes, mesh, local_devices):
   return procs
 
 
-def _reap(procs, timeout_s):
-  """Wait for every process (bounded); kill the ones still running. Returns exit codes."""
-  codes = []
-  try:
-    for proc, _ in procs:
-      codes.append(proc.wait(timeout=timeout_s))
-  finally:
-    for proc, log in procs:
-      if proc.poll() is None:
-        proc.kill()
-        proc.wait(timeout=30)
-      log.close()
-  return codes
-
-
 @pytest.mark.slow
 def test_two_process_update_equals_one_process_update(tmp_path):
   procs = _start_processes(tmp_path, 2, "1,-1,2", local_devices=4)
-  codes = _reap(procs, timeout_s=300)
+  codes = run_lives.reap(procs, timeout_s=300)
   logs = [(tmp_path / f"process{i}.log").read_text() for i in range(2)]
   assert codes == [0, 0], "\n---\n".join(log[-3000:] for log in logs)
   reports = [json.loads(log.strip().splitlines()[-1]) for log in logs]
@@ -153,8 +139,8 @@ def test_a_missing_process_fails_with_an_error_not_a_hang(tmp_path):
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "",
          "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
          "JAX_PROCESS_ID": "0"}
-  log = open(tmp_path / "alone.log", "w")  # noqa: SIM115 (closed by _reap)
+  log = open(tmp_path / "alone.log", "w")  # noqa: SIM115 (closed by run_lives.reap)
   proc = subprocess.Popen([sys.executable, "-m", "launch.learner_check", "--init_timeout_s", "5"],
                           cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-  codes = _reap([(proc, log)], timeout_s=120)
+  codes = run_lives.reap([(proc, log)], timeout_s=120)
   assert codes[0] != 0
