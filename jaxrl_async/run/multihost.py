@@ -190,6 +190,9 @@ class Leader:
         raise self._lose(f"learner process {process} did not finish step {self.seq} within "
                          f"{self.ack_timeout_s:.0f} s ({str(error)[:200]})") from error
       client.key_value_delete(key)
+    # Every follower has read the instruction: only now may it go (a follower that deleted it
+    # on reading would hide it from the others).
+    client.key_value_delete(OP_KEY.format(seq=self.seq))
 
   def _lose(self, why: str) -> LearnerLost:
     self.lost = self.lost or why
@@ -304,8 +307,7 @@ def _next_instruction(seq: int) -> dict:
         continue
       raise LearnerLost(f"learner process {jax.process_index()}: the controller (process 0) "
                         f"is gone: {str(error)[:300]}") from error
-    client.key_value_delete(key)
-    return json.loads(value)
+    return json.loads(value)  # process 0 deletes it once every follower has acknowledged it
 
 
 def follow(config: RunConfig, *, log=print) -> int:
