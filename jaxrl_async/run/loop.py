@@ -96,12 +96,15 @@ def restore_run(checkpointer: RunCheckpointer, parts: Parts, *, log=print):
   state, run_state, _ = restored
   rollout = run_state.get("rollout", {})
   servers = rollout.get("servers")
-  if servers is None or len(servers) != cfg.num_rollout_servers:
-    saved_by = ("an older layout" if servers is None
-                else f"{len(servers)} rollout servers ({rollout.get('backend')} backend)")
+  if servers is None:  # written before each rollout server saved its own state
+    raise ValueError(f"the checkpoint under {checkpointer.directory} has no per-server rollout "
+                     "state (an older run-state layout, not migrated): it cannot be resumed; "
+                     "start a new run in another directory")
+  if len(servers) != cfg.num_rollout_servers:
     raise ValueError(f"num_rollout_servers={cfg.num_rollout_servers}: the checkpoint under "
-                     f"{checkpointer.directory} was saved by {saved_by}; resume with the same "
-                     "number of rollout servers")
+                     f"{checkpointer.directory} was saved by {len(servers)} rollout servers "
+                     f"({rollout.get('backend')} backend); resume with the same number of "
+                     "rollout servers")
   restores = [{"rollout": server, "prompts": prompts}
               for server, prompts in zip(servers, shards.states, strict=True)]
   return state, run_state, restores
