@@ -67,19 +67,48 @@ def buffer_kwargs(**overrides):
 
 
 # ---- the buffer contract, through Ray -----------------------------------------------------------
-@pytest.fixture
-def make_client(cluster):
+@ray.remote
+class ReusedBufferActor(ray_buffer.BufferActorImpl):
+  """The buffer actor's body, built again from scratch on `reset`: each contract test gets a
+  fresh buffer behind Ray calls without paying for a new actor process (each one starts Python
+  and imports JAX, seconds on a loaded machine, and most of a contract test's time)."""
+
+  def __init__(self):  # the buffer is built by `reset`
+    self.service = None
+
+  def reset(self, buffer_kwargs):
+    if self.service is not None:
+      self.service.buffer.close()  # wakes any call of the previous test still blocked on it
+    ray_buffer.BufferActorImpl.__init__(self, buffer_kwargs)
+
+
+@pytest.fixture(scope="module")
+def idle_buffer_actors(cluster):
+  """Buffer actors on the learner node, handed to one contract test at a time."""
   del cluster
+  idle = []
+  yield idle
+  for actor in idle:
+    ray.kill(actor)
+
+
+@pytest.fixture
+def make_client(idle_buffer_actors):
   actors = []
 
   def make(**overrides):
-    actor = ray_buffer.start_buffer_actor(buffer_kwargs(**overrides), node_resource="learner")
+    if idle_buffer_actors:
+      actor = idle_buffer_actors.pop()
+    else:
+      options = ray_backend.role_options(node_resource="learner", num_cpus=0.0,
+                                         max_concurrency=ray_backend.ACTOR_CONCURRENCY)
+      actor = ReusedBufferActor.options(**options).remote()
     actors.append(actor)
+    ray.get(actor.reset.remote(buffer_kwargs(**overrides)), timeout=CALL_S)
     return ray_buffer.RayBufferClient(actor, "test", margin_s=CALL_S)
 
   yield make
-  for actor in actors:
-    ray.kill(actor)
+  idle_buffer_actors.extend(actors)
 
 
 for _name in dir(contract):
