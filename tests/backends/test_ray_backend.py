@@ -120,9 +120,18 @@ del _name
 # ---- placement -----------------------------------------------------------------------------------
 @ray.remote
 class Probe:
-  """Reports where it runs; fetches weights on its node."""
+  """Reports where it runs; publishes or fetches weights on its node through the channel it is
+  given."""
 
-  def __init__(self, channel=None):
+  def __init__(self):
+    # The weight channel's imports (JAX) happen while the actor starts, beside the other
+    # actors' starts, not later in a test's first call.
+    from jaxrl_async.backends.ray import weights  # noqa: F401
+    self.channel = None
+
+  def set_channel(self, channel):
+    if self.channel is not None:
+      self.channel.close()
     self.channel = channel
 
   def where(self):
@@ -137,12 +146,6 @@ class Probe:
   def wait(self, newer_than, timeout):
     return self.channel.wait_for_version(newer_than, timeout)
 
-
-@ray.remote
-class Publisher:
-  def __init__(self, store):
-    self.channel = ray_weights.RayWeightChannel(store)
-
   def publish(self, version, scale):
     import jax.numpy as jnp
     self.channel.publish(version, {"w": jnp.full((64, 64), scale, jnp.float32),
@@ -150,20 +153,30 @@ class Publisher:
     return self.channel.metrics()
 
 
-def test_roles_land_on_the_node_their_resource_names(cluster):
+@pytest.fixture(scope="module")
+def probes(cluster):
+  """One probe actor on each node, shared by the placement and weight tests, and the weight
+  test's store, started with them (each new actor process imports JAX: seconds on a loaded
+  machine, here spent once and side by side)."""
   del cluster
-  learner = Probe.options(**ray_backend.role_options(node_resource="learner",
-                                                     num_cpus=0)).remote()
-  rollout = Probe.options(**ray_backend.role_options(node_resource="rollout",
-                                                     num_cpus=0)).remote()
+  started = {role: Probe.options(**ray_backend.role_options(node_resource=role,
+                                                            num_cpus=0)).remote()
+             for role in ("learner", "rollout")}
+  started["store"] = ray_weights.start_weight_store(node_resource="learner")
+  yield started
+  for actor in started.values():
+    ray.kill(actor)
+
+
+def test_roles_land_on_the_node_their_resource_names(probes):
+  learner, rollout = probes["learner"], probes["rollout"]
   learner_node, learner_pid = ray.get(learner.where.remote(), timeout=CALL_S)
   rollout_node, rollout_pid = ray.get(rollout.where.remote(), timeout=CALL_S)
   assert learner_node == node_with("learner") and rollout_node == node_with("rollout")
   assert learner_node != rollout_node and learner_pid != rollout_pid
   buffer = ray_buffer.start_buffer_actor(buffer_kwargs(), node_resource="learner")
   assert ray.get(buffer.node_id.remote(), timeout=CALL_S) == learner_node
-  for actor in (learner, rollout, buffer):
-    ray.kill(actor)
+  ray.kill(buffer)
 
 
 def test_role_options_reject_bad_settings():
@@ -178,13 +191,10 @@ def test_role_options_reject_bad_settings():
 
 
 # ---- weights: published on the learner node, fetched on the rollout node ------------------------
-def test_weights_cross_nodes_through_the_object_store(cluster):
-  del cluster
-  store = ray_weights.start_weight_store(node_resource="learner")
-  publisher = Publisher.options(**ray_backend.role_options(node_resource="learner",
-                                                           num_cpus=0)).remote(store)
-  reader = Probe.options(**ray_backend.role_options(node_resource="rollout", num_cpus=0)).remote(
-      ray_weights.RayWeightChannel(store))
+def test_weights_cross_nodes_through_the_object_store(probes):
+  store, publisher, reader = probes["store"], probes["learner"], probes["rollout"]
+  ray.get([publisher.set_channel.remote(ray_weights.RayWeightChannel(store)),
+           reader.set_channel.remote(ray_weights.RayWeightChannel(store))], timeout=CALL_S)
   started = time.monotonic()
   assert ray.get(reader.wait.remote(-1, 0.2), timeout=CALL_S) == -1  # nothing yet: times out
   assert time.monotonic() - started >= 0.2
@@ -200,8 +210,7 @@ def test_weights_cross_nodes_through_the_object_store(cluster):
   assert version == 2 and sums["w"] == 64 * 64 * 3.0
   with pytest.raises(ValueError, match="not newer"):
     ray.get(publisher.publish.remote(2, 4.0), timeout=CALL_S)
-  for actor in (store, publisher, reader):
-    ray.kill(actor)
+  ray.get([probe.set_channel.remote(None) for probe in (publisher, reader)], timeout=CALL_S)
 
 
 # ---- a killed rollout actor: restarted by Ray, its groups re-issued exactly once -----------------
