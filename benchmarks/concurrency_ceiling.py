@@ -105,10 +105,14 @@ def _two_threads(fn) -> dict:
   return {"one_s": alone, "two_at_once_s": both, "speedup": 2 * alone / both}
 
 
-def _role_loops(bindings=()):
+DATA_BATCHES = 16  # rollout batches the learner loop cycles through
+
+
+def _role_loops(bindings=(), data_batches: int = DATA_BATCHES):
   """The default run's learner update loop and rollout loop (generation + reward), compiled:
-  (learn(n, marks=None, half=False), roll(n, marks=None), close()); `marks` gets each batch's
-  end time; `half` updates on the first half of each batch's groups."""
+  (learn(n, marks=None, half=False), roll(n, marks=None), close(), compile_half()); `marks`
+  gets each batch's end time; `half` updates on the first half of each batch's groups; the
+  learner cycles through `data_batches` recorded batches."""
   import jax
 
   import gin
@@ -134,7 +138,7 @@ def _role_loops(bindings=()):
     samples = parts.rollout.rewards.score_all(batcher.run_to_completion(requests))
     return build_lib.assemble_groups(parts.config, samples)
 
-  data = [rollout_batch() for _ in range(16)]
+  data = [rollout_batch() for _ in range(data_batches)]
   state = [parts.learner.initial_state]
 
   def learn(n, marks=None, half=False):
@@ -152,18 +156,21 @@ def _role_loops(bindings=()):
       if marks is not None:
         marks.append(time.time())
 
+  def compile_half():
+    learn(3 * len(data), half=True)  # the half batches' shapes compiled
+
   learn(3 * len(data))  # every packed shape of the data compiled
   roll(4)
-  return learn, roll, parts.rollout.rewards.close
+  return learn, roll, parts.rollout.rewards.close, compile_half
 
 
-def _roles(batches: int, bindings=()) -> dict:
+def _roles(batches: int, bindings=(), data_batches: int = DATA_BATCHES) -> dict:
   """The learner loop and the rollout loop of the default run: alone, then in two threads."""
   from jaxrl_async.roles import GIL_SWITCH_INTERVAL_S
-  learn, roll, close = _role_loops(bindings)
+  learn, roll, close, compile_half = _role_loops(bindings, data_batches)
   roll(batches // 4)
   learner_s = _in_threads(lambda: learn(batches))
-  learn(48, half=True)  # the half batches' shapes compiled
+  compile_half()
   half_s = _in_threads(lambda: learn(batches, half=True))
   rollout_s = _in_threads(lambda: roll(batches))
   previous = sys.getswitchinterval()
@@ -185,9 +192,10 @@ def fixed_fraction(full_s: float, half_s: float) -> float:
   return min(max((2.0 * half_s - full_s) / full_s, 0.0), 0.95)
 
 
-def role_process(role: str, batches: int, bindings, barrier, results) -> None:
+def role_process(role: str, batches: int, bindings, barrier, results,
+                 data_batches: int = DATA_BATCHES) -> None:
   """In a child: one role's loop, compiled, then run `batches` times after the barrier."""
-  learn, roll, close = _role_loops(bindings)
+  learn, roll, close, _ = _role_loops(bindings, data_batches)
   loop = learn if role == "learner" else roll
   barrier.wait()
   began, marks = time.time(), []
@@ -207,7 +215,8 @@ def beside_ms_per_batch(times: dict, role: str) -> tuple[float | None, int]:
   return ((1e3 * sum(durations) / len(durations) if durations else None), len(durations))
 
 
-def _roles_processes(batches: int, bindings, one_process: dict) -> dict:
+def _roles_processes(batches: int, bindings, one_process: dict,
+                     data_batches: int = DATA_BATCHES) -> dict:
   """The two role loops in two processes laid out as the processes backend lays out a run:
   the learner's process on every core with XLA's default threads, the rollout server pinned
   to its share of the cores with one XLA thread per core (runtime/child.py). Each alone, then
@@ -224,7 +233,8 @@ def _roles_processes(batches: int, bindings, one_process: dict) -> dict:
     for roles in (("learner",), ("rollout",), ("learner", "rollout")):
       barrier, results = manager.Barrier(len(roles)), manager.dict()
       processes = [child.spawn("benchmarks.concurrency_ceiling:role_process",
-                               (role, batches, list(bindings), barrier, results),
+                               (role, batches, list(bindings), barrier, results,
+                                data_batches),
                                name=f"ceiling-{role}",
                                cores=server_cores if role == "rollout" else None,
                                env=child.child_env(server_cores) if role == "rollout" else None)
@@ -251,16 +261,17 @@ def _roles_processes(batches: int, bindings, one_process: dict) -> dict:
           "speedup_over_one_process": in_one / both}
 
 
-def ceiling(backend: str, batches: int, bindings=()) -> dict:
+def ceiling(backend: str, batches: int, bindings=(), data_batches: int = DATA_BATCHES) -> dict:
   """Core overlap's ceiling of async samples/s over sync's for `backend`, from the default run's
   learner and rollout loops (`bindings` on top): 'threads' runs them in two threads of one
   process (`roles`); 'processes' and 'ray' (rollout servers in processes of their own) in the
-  processes backend's layout (`roles_processes`), against both loops in one process."""
-  roles = _roles(batches, bindings)
+  processes backend's layout (`roles_processes`), against both loops in one process.
+  `data_batches`: the rollout batches the learner loop cycles through."""
+  roles = _roles(batches, bindings, data_batches)
   if backend == "threads":
     return {"kind": "core_overlap", "layout": "threads", "speedup": roles["speedup"],
             "roles": roles}
-  layout = _roles_processes(batches, bindings, roles)
+  layout = _roles_processes(batches, bindings, roles, data_batches)
   return {"kind": "core_overlap", "layout": "processes",
           "speedup": layout["speedup_over_one_process"], "roles": roles,
           "roles_processes": layout}
@@ -270,10 +281,14 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--matrix", type=int, default=256, help="n of the n x n matmul chain")
   parser.add_argument("--batches", type=int, default=200, help="batches per role loop")
+  parser.add_argument("--data_batches", type=int, default=DATA_BATCHES,
+                      help="rollout batches recorded for the learner loop to cycle through")
   parser.add_argument("--out", default=None)
   parser.add_argument("--gin_bindings", action="append", default=[],
                       help="bindings on top of the default run's gin file")
   args = parser.parse_args(argv)
+  if args.data_batches < 1:
+    parser.error(f"--data_batches must be >= 1, got {args.data_batches}")
   record = {"benchmark": "concurrency_ceiling", "cpu_count": os.cpu_count(),
             "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "gin_bindings": list(args.gin_bindings)}
@@ -284,9 +299,10 @@ def main(argv=None) -> int:
   print("xla threads ...", file=sys.stderr, flush=True)
   record["xla_threads"] = _two_threads(_xla_work(args.matrix))
   print("roles (default run) ...", file=sys.stderr, flush=True)
-  record["roles"] = _roles(args.batches, args.gin_bindings)
+  record["roles"] = _roles(args.batches, args.gin_bindings, args.data_batches)
   print("roles as processes (the processes backend's layout) ...", file=sys.stderr, flush=True)
-  record["roles_processes"] = _roles_processes(args.batches, args.gin_bindings, record["roles"])
+  record["roles_processes"] = _roles_processes(args.batches, args.gin_bindings, record["roles"],
+                                               args.data_batches)
   emit_json_line(record, args.out)
   return 0
 

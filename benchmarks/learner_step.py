@@ -111,11 +111,22 @@ def main(argv=None) -> int:
   parser.add_argument("--roofline_only", action="store_true",
                       help="only the update at the small shapes against the roofline")
   parser.add_argument("--roofline_repeats", type=int, default=20)
+  parser.add_argument("--roofline_models", default=",".join(name for name, _ in ROOFLINE_MODELS),
+                      help="comma-separated models of the roofline part "
+                           f"({', '.join(name for name, _ in ROOFLINE_MODELS)})")
+  parser.add_argument("--machine_repeats", type=int, default=10,
+                      help="timed runs of the machine's matmul peak and bandwidth (best kept)")
   args = parser.parse_args(argv)
+  models = [(name, overrides) for name, overrides in ROOFLINE_MODELS
+            if name in args.roofline_models.split(",")]
+  if not models or args.machine_repeats < 1:
+    parser.error(f"want --roofline_models among {[name for name, _ in ROOFLINE_MODELS]} and "
+                 f"--machine_repeats >= 1, got {args.roofline_models!r} and "
+                 f"{args.machine_repeats}")
   compilation_cache.enable()
-  machine = roofline.measure()
+  machine = roofline.measure(repeats=args.machine_repeats)
   roofline_record = {"machine": machine,
-                     "updates": roofline_updates(machine, args.roofline_repeats)}
+                     "updates": roofline_updates(machine, args.roofline_repeats, models)}
   if args.roofline_only:
     emit_json_line({"benchmark": "learner_step", "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
                     "roofline": roofline_record,

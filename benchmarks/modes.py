@@ -192,6 +192,9 @@ def main(argv=None) -> int:
   parser.add_argument("--ceiling_batches", type=int, default=100,
                       help="batches per role loop for the ceiling measured after the runs "
                            "(0: not measured)")
+  parser.add_argument("--ceiling_data_batches", type=int,
+                      default=concurrency_ceiling.DATA_BATCHES,
+                      help="rollout batches the ceiling's learner loop cycles through")
   parser.add_argument("--task_file", action="append", default=[],
                       help="a task's gin file loaded after each mode's or recipe's (e.g. "
                            "gin/tasks/rlvr.gin); the ceiling is then the workload's bound")
@@ -207,6 +210,8 @@ def main(argv=None) -> int:
     parser.error(f"--repeats must be >= 1, got {args.repeats}")
   if args.ceiling_batches < 0:
     parser.error(f"--ceiling_batches must be >= 0, got {args.ceiling_batches}")
+  if args.ceiling_data_batches < 1:
+    parser.error(f"--ceiling_data_batches must be >= 1, got {args.ceiling_data_batches}")
   os.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   bindings = [f"RunConfig.total_samples = {args.total_samples}", f"RunConfig.seed = {args.seed}",
               f"RunConfig.eval_every_versions = {args.eval_every_versions}",
@@ -289,7 +294,8 @@ def measure(args, runs: dict, bindings: list[str]) -> int:
   if args.ceiling_batches:
     print("measuring the ceiling ...", file=sys.stderr, flush=True)
     ceiling = (measure_bound(args, runs, bindings, table) if args.task_file else
-               concurrency_ceiling.ceiling(args.backend, args.ceiling_batches, args.gin_bindings))
+               concurrency_ceiling.ceiling(args.backend, args.ceiling_batches, args.gin_bindings,
+                                           args.ceiling_data_batches))
     for row in table.values():
       if ceiling["kind"] == "workload_bound":
         row["fraction_of_ceiling"] = workload_bound.fraction_of_ceiling(
