@@ -97,12 +97,14 @@ class StuckInALoad:
   weight load from its start (so its stop fails, as the join of a hung rollout thread makes it
   fail), a restarted one is not."""
 
-  def __init__(self, config, index, num_servers, buffer_actor, channel_spec, restore):
+  def __init__(self, config, index, num_servers, buffer_actor, channel_spec):
     del config, num_servers, channel_spec
     import ray
 
+    from jaxrl_async.backends.ray.backend import wait_for_restore
     from jaxrl_async.backends.ray.buffer import RayBufferClient
     self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
+    restore = wait_for_restore(buffer_actor, index)
     claim = ray.get(buffer_actor.claim.remote(index, restore, self.restarted), timeout=CALL_S)
     self.client_id = claim["client_id"]
     rollout = claim["restore"]["rollout"]
@@ -166,4 +168,29 @@ def test_a_ray_actor_stuck_in_a_load_at_the_stop_answers_from_its_restarted_inca
     assert fleet.counts["runtime/reissued_groups/server_unresponsive"] == 3
   finally:
     fleet.stop(timeout=10.0)
+    ray.kill(buffer_actor, no_restart=True)
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_ray_fleet_launched_but_never_started_only_kills_its_actors(monkeypatch):
+  """The rollout actors are launched before the fleet starts (their processes start while the
+  driver restores and evaluates). A run that fails in between stops at once: the actors, still
+  waiting for their restores, are killed, not asked to stop."""
+  import ray
+
+  from jaxrl_async.backends.ray import backend as ray_run
+  from jaxrl_async.backends.ray import buffer as ray_buffer
+  monkeypatch.setattr(ray_run, "RolloutActorImpl", StuckInALoad)
+  config = tiny_config("ray", **STORE)
+  buffer_actor = ray_buffer.start_buffer_actor(buffer_kwargs(config))
+  fleet = ray_run.RayFleet(config, buffer_actor, {"kind": "store"}, log=lambda *a: None)
+  try:
+    fleet.launch()
+    (actor,) = fleet.actors
+    began = time.monotonic()
+    fleet.stop(timeout=10.0)
+    assert time.monotonic() - began < 5.0 and fleet.actors == [None]
+    with pytest.raises(ray.exceptions.RayActorError):
+      ray.get(actor.call.remote("health", 1.0), timeout=CALL_S)
+  finally:
     ray.kill(buffer_actor, no_restart=True)

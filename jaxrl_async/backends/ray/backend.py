@@ -53,6 +53,7 @@ RESTART_WAIT_S = 300.0  # how long the driver waits for Ray to bring a killed ac
 MAX_RESTARTS = 8
 SILENCE_MIN_S = 60.0
 LOAD_POLL_S = 0.5  # how often a stop asks whether a weight load has ended
+RESTORE_POLL_S = 0.2  # a launched actor's longest wait in one call for its restore
 
 
 class RolloutActorFailed(RoleFailed):
@@ -60,13 +61,15 @@ class RolloutActorFailed(RoleFailed):
 
 
 class RolloutActorImpl:
-  """A `RolloutServer` in a Ray actor. On a restart (Ray re-runs this constructor) it claims
-  its predecessor's unfinished work from the buffer actor and starts at once."""
+  """A `RolloutServer` in a Ray actor. Its first incarnation is created before the driver knows
+  where it starts (`RayFleet.launch`) and waits for its restore from the buffer actor. On a
+  restart (Ray re-runs this constructor) it claims its predecessor's unfinished work from the
+  buffer actor and starts at once."""
 
-  def __init__(self, config, index: int, num_servers: int, buffer_actor, channel_spec: dict,
-               restore):
+  def __init__(self, config, index: int, num_servers: int, buffer_actor, channel_spec: dict):
     ray = require_ray()
     restarted = ray.get_runtime_context().was_current_actor_reconstructed
+    restore = wait_for_restore(buffer_actor, index)
     claim = ray.get(buffer_actor.claim.remote(index, restore, restarted),
                     timeout=RESTART_WAIT_S)
     channel = (RayWeightChannel(channel_spec["store"]) if channel_spec["kind"] == "ray"
@@ -89,6 +92,20 @@ class RolloutActorImpl:
     return result
 
 
+def wait_for_restore(buffer_actor, index: int):
+  """What rollout server `index` starts from (a checkpoint's snapshot, or None), once the
+  driver's `RayFleet.start` has handed it to the buffer actor. Asked in short calls, so that
+  waiting actors never hold all of the buffer actor's call threads. No deadline: the driver may
+  evaluate for long before it starts the fleet, and its actors end with it (Ray ends the actors
+  of a dead owner; a stop before the start kills them)."""
+  ray = require_ray()
+  while True:
+    given, restore = ray.get(buffer_actor.restore_for.remote(index, RESTORE_POLL_S),
+                             timeout=RESTORE_POLL_S + ray_backend.RPC_MARGIN_S)
+    if given:
+      return restore
+
+
 class RayFleet(Fleet):
   """The rollout actors seen from the driver. Ray restarts a killed actor; the heartbeat kills
   a silent one."""
@@ -109,6 +126,7 @@ class RayFleet(Fleet):
     self._constructor_args: list[list] = []
     self._load_deadline_missed = 0
     self._killed: list[str | None] = [None] * self.num_servers  # client ids killed here
+    self._started = False
 
   @property
   def restarts(self) -> int:
@@ -122,19 +140,30 @@ class RayFleet(Fleet):
   def _get(self, ref, timeout: float = 60.0):
     return self.ray.get(ref, timeout=timeout)
 
-  def start(self, restores: list[dict | None]) -> None:
+  def launch(self) -> None:
+    """Creates the rollout actors ahead of `start`: each one's process starts and imports JAX
+    and the rollout code (seconds) while the driver restores its checkpoint and evaluates;
+    their constructors then wait for `start` to hand over their restores."""
+    if any(actor is not None for actor in self.actors):
+      return
     cls = self.ray.remote(RolloutActorImpl)
     cfg = self.config
-    for index, restore in enumerate(restores):
+    for index in range(self.num_servers):
       options = ray_backend.role_options(
           node_resource=cfg.ray_rollout_resource, num_cpus=cfg.ray_rollout_cpus,
           num_gpus=cfg.ray_rollout_gpus, max_restarts=MAX_RESTARTS, max_concurrency=4,
           env=ray_backend.thread_env(max(1, int(cfg.ray_rollout_cpus))))
       # The constructor's arguments stay referenced here: Ray needs them to restart the actor.
-      args = [self.ray.put(cfg), index, self.num_servers, self.buffer_actor, self.channel_spec,
-              self.ray.put(restore)]
+      args = [self.ray.put(cfg), index, self.num_servers, self.buffer_actor, self.channel_spec]
       self._constructor_args.append(args)
       self.actors[index] = cls.options(**options).remote(*args)
+
+  def start(self, restores: list[dict | None]) -> None:
+    if len(restores) != self.num_servers:
+      raise ValueError(f"{len(restores)} restores for {self.num_servers} rollout servers")
+    self.launch()
+    self._get(self.buffer_actor.set_restores.remote(list(restores)))
+    self._started = True
     for index in range(self.num_servers):
       self._call(index, "start", RESTART_WAIT_S)
     self.check()
@@ -268,7 +297,14 @@ class RayFleet(Fleet):
 
   def stop(self, timeout: float = 60.0) -> None:
     """Stops every actor; rollout_servers.json then names the incarnations that stopped (a
-    restart after the last heartbeat is known only from the stop's answer)."""
+    restart after the last heartbeat is known only from the stop's answer). Actors launched
+    but never started (a run that failed before `start`) are only killed."""
+    if not self._started:
+      for index, actor in enumerate(self.actors):
+        if actor is not None:
+          self.ray.kill(actor, no_restart=True)
+          self.actors[index] = None
+      return
     stopped = False
     for index, actor in enumerate(self.actors):
       if actor is None:
@@ -369,6 +405,7 @@ class RayBackend(Backend):
     fleet = RayFleet(cfg, buffer_actor, channel_spec,
                      status_path=os.path.join(run_dir, "rollout_servers.json"), log=log)
     try:
+      fleet.launch()
       yield Connection(buffer=DriverBuffer(buffer_actor), channel=channel, fleet=fleet,
                        started_groups=lambda: ray.get(buffer_actor.ledger.remote(),
                                                       timeout=60.0))

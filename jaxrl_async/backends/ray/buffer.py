@@ -42,6 +42,8 @@ class BufferActorImpl:
     self._unresponsive: set[int] = set()
     self._constructing: set[int] = set()  # servers between claim and ready
     self._restarts = 0
+    self._restores_given = threading.Event()
+    self._restores: list = []  # where each server starts, handed over by the driver's start
     self._reissue_counts = {f"runtime/reissued_{kind}/{reason}": 0
                             for kind in ("groups", "samples")
                             for reason in ("actor_restarted", "server_unresponsive")}
@@ -82,6 +84,18 @@ class BufferActorImpl:
       self._client_ids[index] = client_id
       self._constructing.add(index)
       return {"client_id": client_id, "restore": restore}
+
+  def set_restores(self, restores: list) -> None:
+    """The driver's fleet starts: what each rollout server starts from (a checkpoint's
+    snapshot, or None)."""
+    self._restores = list(restores)
+    self._restores_given.set()
+
+  def restore_for(self, index: int, wait_s: float) -> tuple[bool, Any]:
+    """(given, restore) of rollout server `index`, waiting at most `wait_s` for the driver."""
+    if not self._restores_given.wait(wait_s):
+      return False, None
+    return True, self._restores[index]
 
   def ready(self, index: int) -> None:
     """Server `index` has finished starting (its constructor ran to the end)."""
