@@ -156,7 +156,7 @@ RLVR_TINY = ("RLVRReverseTask.max_len = 15", "WarmStartConfig.steps = 20",
              "VerifierSettings.concurrency = 2", "RunConfig.reward_workers = 1")
 
 
-@pytest.mark.slow  # about 45 s under load (16 CPU-s): a verifier process, two compiles
+@pytest.mark.slow  # about 12 CPU-s: a verifier process, two compiles
 def test_workload_bound_is_the_slowest_role_measured_alone(tmp_path, monkeypatch,
                                                           no_xla_optimizations):
   monkeypatch.chdir(tmp_path)  # main changes to the repository root; restored afterwards
