@@ -17,6 +17,9 @@ PER_VERSION = 2 * 4  # mini_batch_size x group_size
 BINDINGS = run_lives.TINY_BINDINGS + (
     "RunConfig.eval_every_versions = 1000",
     "RunConfig.checkpoint_every_versions = 100000",
+    # Each life makes a few versions and meets few of the row counts precompiling would trace
+    # ahead (each trace is redone in every process); those it meets compile when first met.
+    "RunConfig.precompile_updates = False",
 )
 STOP_WITHIN_S = 15.0
 
@@ -64,7 +67,9 @@ def _versions(run_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 def test_sigint_stops_an_async_run_with_a_checkpoint_that_resumes(backend, tmp_path, request):
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}  # the session's base policy
+  # The session's base policy; a tiny run's programs compiled as the other tiny runs' are
+  # (run_lives.TINY_ENV: without XLA's optimisation passes), so they share cache entries.
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", **run_lives.TINY_ENV}
   if backend == "ray":
     env.update(RAY_ADDRESS=request.getfixturevalue("ray_address"),
                RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
