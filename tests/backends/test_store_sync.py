@@ -101,7 +101,7 @@ class StuckInALoad:
     del config, num_servers, channel_spec
     import ray
 
-    from jaxrl_async.backends.ray.backend import wait_for_restore
+    from jaxrl_async.backends.ray.actor import wait_for_restore
     from jaxrl_async.backends.ray.buffer import RayBufferClient
     self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
     restore = wait_for_restore(buffer_actor, index)

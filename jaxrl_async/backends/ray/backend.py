@@ -37,73 +37,24 @@ from jaxrl_async.backends.base import (
   warn_unscored,
 )
 from jaxrl_async.backends.processes.backend import make_channel, refuse_rollout_mesh
-from jaxrl_async.backends.processes.rollout_process import open_rollout_channel
 from jaxrl_async.backends.ray import buffer as ray_buffer
 from jaxrl_async.backends.ray import placement as ray_backend
 from jaxrl_async.backends.ray import weights as ray_weights
+from jaxrl_async.backends.ray.actor import RESTART_WAIT_S, RolloutActorImpl
 from jaxrl_async.backends.ray.buffer import RayBufferClient
 from jaxrl_async.backends.ray.placement import require_ray
 from jaxrl_async.backends.ray.weights import RayWeightChannel
-from jaxrl_async.backends.rollout_server import RolloutServer
 from jaxrl_async.config import RunConfig
 from jaxrl_async.run.build import Parts, buffer_kwargs
 
 REISSUE_REASONS = ("actor_restarted", "server_unresponsive")
-RESTART_WAIT_S = 300.0  # how long the driver waits for Ray to bring a killed actor back
 MAX_RESTARTS = 8
 SILENCE_MIN_S = 60.0
 LOAD_POLL_S = 0.5  # how often a stop asks whether a weight load has ended
-RESTORE_POLL_S = 0.2  # a launched actor's longest wait in one call for its restore
 
 
 class RolloutActorFailed(RoleFailed):
   """A rollout actor's role raised, or an actor could not be restarted."""
-
-
-class RolloutActorImpl:
-  """A `RolloutServer` in a Ray actor. Its first incarnation is created before the driver knows
-  where it starts (`RayFleet.launch`) and waits for its restore from the buffer actor. On a
-  restart (Ray re-runs this constructor) it claims its predecessor's unfinished work from the
-  buffer actor and starts at once."""
-
-  def __init__(self, config, index: int, num_servers: int, buffer_actor, channel_spec: dict):
-    ray = require_ray()
-    restarted = ray.get_runtime_context().was_current_actor_reconstructed
-    restore = wait_for_restore(buffer_actor, index)
-    claim = ray.get(buffer_actor.claim.remote(index, restore, restarted),
-                    timeout=RESTART_WAIT_S)
-    channel = (RayWeightChannel(channel_spec["store"]) if channel_spec["kind"] == "ray"
-               else open_rollout_channel(channel_spec, config))
-    self.server = RolloutServer(config, server_index=index, num_servers=num_servers,
-                                buffer=RayBufferClient(buffer_actor, claim["client_id"]),
-                                channel=channel, restore=claim["restore"])
-    self.client_id = claim["client_id"]
-    if restarted:
-      self.server.start()
-    ray.get(buffer_actor.ready.remote(index), timeout=RESTART_WAIT_S)
-
-  def call(self, method: str, timeout: float):
-    if method not in ("start", "pause", "resume", "snapshot", "evaluate", "health", "stop"):
-      raise AttributeError(f"a rollout server has no call {method!r}")
-    result = getattr(self.server, method)(timeout)
-    if method in ("health", "stop"):  # both answer with the server's health
-      result = {**result, "client_id": self.client_id,
-                "node_id": require_ray().get_runtime_context().get_node_id()}
-    return result
-
-
-def wait_for_restore(buffer_actor, index: int):
-  """What rollout server `index` starts from (a checkpoint's snapshot, or None), once the
-  driver's `RayFleet.start` has handed it to the buffer actor. Asked in short calls, so that
-  waiting actors never hold all of the buffer actor's call threads. No deadline: the driver may
-  evaluate for long before it starts the fleet, and its actors end with it (Ray ends the actors
-  of a dead owner; a stop before the start kills them)."""
-  ray = require_ray()
-  while True:
-    given, restore = ray.get(buffer_actor.restore_for.remote(index, RESTORE_POLL_S),
-                             timeout=RESTORE_POLL_S + ray_backend.RPC_MARGIN_S)
-    if given:
-      return restore
 
 
 class RayFleet(Fleet):
