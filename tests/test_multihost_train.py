@@ -130,3 +130,29 @@ def test_sigkill_of_the_other_learner_process_then_resume(tmp_path):
   assert summary["policy_version"] == 20
   assert_clean_audit(summary)
   assert "resumed from" in (tmp_path / "b0.log").read_text()
+
+
+class _Counter:
+  """Stands in for the coordination client's counter (`key_value_increment`)."""
+
+  def __init__(self):
+    self.value = 0
+
+  def key_value_increment(self, key, increment):
+    del key
+    self.value += increment
+    return self.value
+
+
+def test_a_follower_is_silent_while_its_counter_stands_still(monkeypatch):
+  from jaxrl_async.run import multihost
+  clock = [100.0]
+  monkeypatch.setattr(multihost.time, "monotonic", lambda: clock[0])
+  counter = _Counter()
+  life = multihost._Life(counter, 1)
+  clock[0] += 20.0
+  assert life.silent_s() == 20.0  # nothing raised the counter
+  counter.key_value_increment("k", 1)
+  assert life.silent_s() == 0.0  # a sign of life resets the silence
+  clock[0] += multihost.SILENT_S
+  assert life.silent_s() >= multihost.SILENT_S

@@ -15,11 +15,12 @@ all processes in the same order:
              writing and reading its shards of the learner's state;
     stop     the run is over.
 
-Instructions travel through the `jax.distributed` coordination service's key-value store
-(`jaxrl_async/learner/<n>`); a follower acknowledges each one once done, and process 0 waits
-at most `ack_timeout_s` for that before it sends the next, so a follower that hangs is an error
-instead of a hang. A follower that dies fails process 0's next collective (`LearnerLost`, naming
-the last checkpoint); a controller that dies ends the followers' wait on the store.
+Instructions travel through the coordination service's key-value store; a follower acknowledges
+each one, and process 0 waits at most `ack_timeout_s` for that before it sends the next, so a
+follower that hangs is an error instead of a hang. A follower that dies fails process 0's next
+collective, or stops the counter it raises every second in the store while process 0 awaits it
+(`LearnerLost` after `SILENT_S`, before the coordination service's heartbeat timeout aborts the
+process); either names the last checkpoint. A dead controller ends the followers' wait.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+import time
 
 import jax
 import numpy as np
@@ -44,6 +46,10 @@ OP_KEY = "jaxrl_async/learner/{seq}"
 ACK_KEY = "jaxrl_async/learner_ack/{process}/{seq}"
 ACK_TIMEOUT_S = 600.0  # the longest one instruction (an update, a checkpoint) may take
 POLL_MS = 1000  # a follower's wait for its next instruction, in slices of this length
+ALIVE_KEY = "jaxrl_async/learner_alive/{process}"  # a counter each follower raises every second
+ALIVE_EVERY_S = 1.0
+SILENT_S = 30.0  # a follower whose counter stood still this long, while awaited, is gone
+ACK_SLICE_MS = 2000  # process 0's wait for an acknowledgement, in slices of this length
 
 
 class LearnerLost(RuntimeError):
@@ -184,11 +190,19 @@ class Leader:
     client = _client()
     for process in self.followers:
       key = ACK_KEY.format(process=process, seq=self.seq)
-      try:
-        client.blocking_key_value_get(key, int(self.ack_timeout_s * 1000))
-      except jax.errors.JaxRuntimeError as error:
-        raise self._lose(f"learner process {process} did not finish step {self.seq} within "
-                         f"{self.ack_timeout_s:.0f} s ({str(error)[:200]})") from error
+      began, life = time.monotonic(), _Life(client, process)
+      while True:
+        try:
+          client.blocking_key_value_get(key, ACK_SLICE_MS)
+          break
+        except jax.errors.JaxRuntimeError as error:
+          waited = time.monotonic() - began
+          if "DEADLINE_EXCEEDED" not in str(error) or waited >= self.ack_timeout_s:
+            raise self._lose(f"learner process {process} did not finish step {self.seq} "
+                             f"within {waited:.0f} s ({str(error)[:200]})") from error
+          if life.silent_s() >= SILENT_S:
+            raise self._lose(f"learner process {process} stopped answering during step "
+                             f"{self.seq} (no sign of life for {SILENT_S:.0f} s)") from error
       client.key_value_delete(key)
     # Every follower has read the instruction: only now may it go (a follower that deleted it
     # on reading would hide it from the others).
@@ -295,6 +309,32 @@ class PublishFromHost:
 
 
 # ---- the other processes -------------------------------------------------------------------
+class _Life:
+  """A follower's sign-of-life counter as process 0 sees it: how long it has stood still."""
+
+  def __init__(self, client, process: int):
+    self.client, self.key = client, ALIVE_KEY.format(process=process)
+    self.value, self.since = self._read(), time.monotonic()
+
+  def _read(self):
+    with contextlib.suppress(jax.errors.JaxRuntimeError):
+      return self.client.key_value_increment(self.key, 0)
+
+  def silent_s(self) -> float:
+    value = self._read()
+    if value != self.value:
+      self.value, self.since = value, time.monotonic()
+    return time.monotonic() - self.since
+
+
+def _signs_of_life(stop: threading.Event) -> None:
+  """A follower's thread: raises its counter every ALIVE_EVERY_S until `stop`."""
+  client, key = _client(), ALIVE_KEY.format(process=jax.process_index())
+  while not stop.wait(ALIVE_EVERY_S):
+    with contextlib.suppress(Exception):
+      client.key_value_increment(key, 1)
+
+
 def _next_instruction(seq: int) -> dict:
   """Waits for instruction `seq` for as long as process 0 lives (its coordination service)."""
   client = _client()
@@ -313,6 +353,15 @@ def _next_instruction(seq: int) -> dict:
 def follow(config: RunConfig, *, log=print) -> int:
   """A follower's whole run: build the learner side, then do process 0's steps until 'stop'.
   Returns the number of updates it ran."""
+  stop = threading.Event()
+  threading.Thread(target=_signs_of_life, args=(stop,), name="alive", daemon=True).start()
+  try:
+    return _follow(config, log=log)
+  finally:
+    stop.set()
+
+
+def _follow(config: RunConfig, *, log=print) -> int:
   spec = build_lib.model_spec(config)
   learner = global_learner_side(config, spec, log=log)
   precompile(learner, config, spec, log=log)
