@@ -2,7 +2,14 @@
 schedule files are cut back to the checkpoint it resumed from, the learner replay equals every
 checkpoint bit for bit and the full replay draws the same tokens. Runs and replays are
 subprocesses (`python -m launch.train`, `python -m launch.replay`) with one environment, so
-both compile for the same host."""
+both compile for the same host.
+
+Backends: 'processes' (rollout servers as child processes) and 'ray' (rollout servers as Ray
+actors of a one-node cluster on the loopback interface; each life is a driver that joins it, and
+the SIGKILLed driver's actors end with it). A Ray actor is started by the cluster's raylet, not
+by the driver: it compiles as the driver does only because the driver hands it its JAX compile
+settings (`ray/placement.py: COMPILE_ENV`); without them its logprobs differ from the replay's
+in the last bits and no checkpoint replays bit for bit."""
 
 from __future__ import annotations
 
@@ -27,6 +34,26 @@ BINDINGS = run_lives.TINY_BINDINGS + (
 )
 
 
+@pytest.fixture(scope="module")
+def ray_cluster():
+  """A one-node Ray cluster on the loopback interface, for the Ray case's lives to join
+  (RAY_ADDRESS): a killed driver's actors end with it, the cluster stays."""
+  os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # read by Ray at import
+  pytest.importorskip("ray")
+  from jaxrl_async.backends.ray import placement
+  cluster = placement.start_local_cluster([{"num_cpus": 2}])
+  yield cluster
+  placement.stop_local_cluster(cluster)
+
+
+def backend_env(request, backend: str) -> dict:
+  """More environment for a life on `backend`: the Ray case joins the module's cluster."""
+  if backend != "ray":
+    return {}
+  cluster = request.getfixturevalue("ray_cluster")
+  return {"RAY_ADDRESS": cluster.address, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
 def replay_cli(run_dir, *args, timeout_s=300) -> dict:
   out = os.path.join(str(run_dir), "replay-report.json")
   result = subprocess.run([sys.executable, "-m", "launch.replay", str(run_dir), *args,
@@ -40,19 +67,20 @@ def replay_cli(run_dir, *args, timeout_s=300) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("backend", ["processes"])
-def test_a_killed_and_resumed_run_replays_bit_for_bit(tmp_path, backend):
+@pytest.mark.parametrize("backend", ["processes", "ray"])
+def test_a_killed_and_resumed_run_replays_bit_for_bit(tmp_path, request, backend):
   bindings = BINDINGS + (f"RunConfig.backend = '{backend}'",)
+  env = backend_env(request, backend)
   gin_file = "gin/modes/async_partial.gin"
   # The kill lands in the second checkpoint's write: its schedule file (version 4) is written,
   # the checkpoint is not, so the resumed run starts from 2 and must cut the file back.
   first = run_lives.start(tmp_path, gin_file, bindings,
-                          faults_plan="checkpoint.before_write=kill@2")
+                          faults_plan="checkpoint.before_write=kill@2", env=env)
   code, out, err, _ = run_lives.finish(first, 600)
   assert code == -9, f"{code}\n{out[-2000:]}\n{err[-4000:]}"
   assert recorded_ends(tmp_path) == [2, 4]
   written_before_the_kill = os.stat(os.path.join(tmp_path, "schedule", "00000004.npz"))
-  second = run_lives.start(tmp_path, gin_file, bindings, resume=True)
+  second = run_lives.start(tmp_path, gin_file, bindings, resume=True, env=env)
   code, out, err, _ = run_lives.finish(second, 600)
   assert code == 0, f"{out[-2000:]}\n{err[-4000:]}"
   assert "resumed from" in out and "at policy_version 2" in out
@@ -60,6 +88,7 @@ def test_a_killed_and_resumed_run_replays_bit_for_bit(tmp_path, backend):
   assert rewritten.st_mtime_ns > written_before_the_kill.st_mtime_ns
   intervals = read_schedule(tmp_path)
   assert [(i.start_version, i.end_version) for i in intervals] == [(0, 2), (2, 4), (4, 6)]
+  assert {i.header["backend"] for i in intervals} == {backend}
   report = replay_cli(tmp_path, "--level", "full")
   assert [c["version"] for c in report["checkpoints"]] == [2, 4, 6]
   assert report["bitwise_equal"], report["checkpoints"]

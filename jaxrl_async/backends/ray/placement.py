@@ -76,10 +76,19 @@ def role_options(*, node_resource: str | None = None, num_cpus: float = 1.0,
   return options
 
 
+# The caller's settings of how JAX compiles, carried to its actors: an actor process is started
+# by its node's raylet, with the environment of whoever started the cluster, so without these it
+# could compile the same program otherwise than its driver (a replay of the run then draws
+# different logprobs: docs/replay.md).
+COMPILE_ENV = ("JAX_PLATFORMS", "JAX_DISABLE_MOST_OPTIMIZATIONS", "JAX_ENABLE_X64",
+               "JAX_DEFAULT_MATMUL_PRECISION")
+
+
 def thread_env(num_threads: int) -> dict[str, str]:
   """Environment for a role process that should use `num_threads` cores (BLAS pools of that
   size; one core: XLA's CPU backend without its multi-threaded Eigen pool). The caller's
-  XLA_FLAGS, JAX_PLATFORMS (e.g. forced host devices) and fault plan carry over."""
+  XLA_FLAGS (e.g. forced host devices), its JAX compile settings (`COMPILE_ENV`) and its fault
+  plan carry over."""
   if not isinstance(num_threads, int) or num_threads < 1:
     raise ValueError(f"num_threads must be an int >= 1, got {num_threads!r}")
   flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
@@ -89,7 +98,7 @@ def thread_env(num_threads: int) -> dict[str, str]:
   env = {name: str(num_threads) for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
                                              "MKL_NUM_THREADS")}
   env["XLA_FLAGS"] = flags.strip()
-  for name in ("JAX_PLATFORMS", faults.ENV):  # a fault plan reaches the actors too
+  for name in COMPILE_ENV + (faults.ENV,):  # a fault plan reaches the actors too
     if os.environ.get(name):
       env[name] = os.environ[name]
   return env
