@@ -42,6 +42,16 @@ def _state_tree(state: TrainState) -> dict:
   return {"step": state.step, "params": state.params, "opt_state": state.opt_state}
 
 
+def _async_options() -> ocp.AsyncOptions | None:
+  """Orbax's defaults for one process. Several processes: each checkpoint's directories exist
+  before any item is written. (Orbax creates them on process 0 only, and with its asynchronous
+  creation another process's grain prompt file can be written before they exist:
+  FileNotFoundError, seen with two processes on a loaded machine.)"""
+  if jax.process_count() == 1:
+    return None
+  return ocp.AsyncOptions(create_directories_asynchronously=False)
+
+
 class CheckpointError(RuntimeError):
   """A checkpoint could not be written or none could be read; the message says which and why."""
 
@@ -56,7 +66,8 @@ class RunCheckpointer:
     check_writable(self.directory)
     self._manager = ocp.CheckpointManager(
         self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+                                             async_options=_async_options()),
         item_names=("state", "prompts", "run"),
     )
 

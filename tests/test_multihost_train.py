@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -149,14 +150,45 @@ class _Counter:
 
 
 def test_a_follower_is_silent_while_its_counter_stands_still(monkeypatch):
-  from jaxrl_async.run import multihost
+  from jaxrl_async.run import multihost_life
   clock = [100.0]
-  monkeypatch.setattr(multihost.time, "monotonic", lambda: clock[0])
+  monkeypatch.setattr(multihost_life.time, "monotonic", lambda: clock[0])
   counter = _Counter()
-  life = multihost._Life(counter, 1)
+  life = multihost_life.Life(counter, 1)
   clock[0] += 20.0
   assert life.silent_s() == 20.0  # nothing raised the counter
   counter.key_value_increment("k", 1)
   assert life.silent_s() == 0.0  # a sign of life resets the silence
-  clock[0] += multihost.SILENT_S
-  assert life.silent_s() >= multihost.SILENT_S
+  clock[0] += multihost_life.SILENT_S
+  assert life.silent_s() >= multihost_life.SILENT_S
+
+
+def test_a_step_blocked_on_a_silent_follower_is_left_behind():
+  from jaxrl_async.run import multihost_life
+  never = threading.Event()
+  lives = [multihost_life.Life(_Counter(), 1)]  # a counter nobody raises: a dead follower
+  began = time.monotonic()
+  with pytest.raises(multihost_life.FollowerSilent) as raised:
+    multihost_life.run_watching(lambda: never.wait(60), lives, silent_s=0.3, slice_s=0.05)
+  assert raised.value.process == 1
+  assert time.monotonic() - began < 30  # the body still blocks: it was not waited for
+
+
+def test_a_watched_step_returns_its_result_or_raises_its_error_while_followers_live():
+  from jaxrl_async.run import multihost_life
+  counter = _Counter()
+  lives = [multihost_life.Life(counter, 1)]
+
+  def slow_sum():
+    for _ in range(5):  # the follower raises its counter while the body runs
+      counter.key_value_increment("k", 1)
+      time.sleep(0.05)
+    return 42
+
+  assert multihost_life.run_watching(slow_sum, lives, silent_s=5.0, slice_s=0.01) == 42
+
+  def fails():
+    raise ValueError("bad step")
+
+  with pytest.raises(ValueError, match="bad step"):
+    multihost_life.run_watching(fails, lives, silent_s=5.0, slice_s=0.01)

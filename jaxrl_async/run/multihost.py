@@ -18,9 +18,11 @@ all processes in the same order:
 Instructions travel through the coordination service's key-value store; a follower acknowledges
 each one, and process 0 waits at most `ack_timeout_s` for that before it sends the next, so a
 follower that hangs is an error instead of a hang. A follower that dies fails process 0's next
-collective, or stops the counter it raises every second in the store while process 0 awaits it
-(`LearnerLost` after `SILENT_S`, before the coordination service's heartbeat timeout aborts the
-process); either names the last checkpoint. A dead controller ends the followers' wait.
+collective, or stops the counter it raises every second in the store while process 0 awaits it:
+its acknowledgement, or a step's body, which runs on a thread of its own so that process 0 can
+leave it where it blocks (an orbax barrier; `multihost_life.py`). `LearnerLost` comes after
+`SILENT_S`, before the coordination service's heartbeat timeout aborts the process, and names
+the last checkpoint. A dead controller ends the followers' wait.
 """
 
 from __future__ import annotations
@@ -41,14 +43,13 @@ from jaxrl_async.config import RunConfig
 from jaxrl_async.learner.batching import TrainBatch
 from jaxrl_async.learner.sft import cached_base_policy
 from jaxrl_async.run import build as build_lib
+from jaxrl_async.run import multihost_life as life_lib
+from jaxrl_async.run.multihost_life import SILENT_S
 
 OP_KEY = "jaxrl_async/learner/{seq}"
 ACK_KEY = "jaxrl_async/learner_ack/{process}/{seq}"
 ACK_TIMEOUT_S = 600.0  # the longest one instruction (an update, a checkpoint) may take
 POLL_MS = 1000  # a follower's wait for its next instruction, in slices of this length
-ALIVE_KEY = "jaxrl_async/learner_alive/{process}"  # a counter each follower raises every second
-ALIVE_EVERY_S = 1.0
-SILENT_S = 30.0  # a follower whose counter stood still this long, while awaited, is gone
 ACK_SLICE_MS = 2000  # process 0's wait for an acknowledgement, in slices of this length
 
 
@@ -190,7 +191,7 @@ class Leader:
     client = _client()
     for process in self.followers:
       key = ACK_KEY.format(process=process, seq=self.seq)
-      began, life = time.monotonic(), _Life(client, process)
+      began, life = time.monotonic(), life_lib.Life(client, process)
       while True:
         try:
           client.blocking_key_value_get(key, ACK_SLICE_MS)
@@ -215,35 +216,38 @@ class Leader:
     return LearnerLost(f"{self.lost}; the learner's state spans that process, so the run "
                        f"stops: {where} (continue with --resume, every process again)")
 
-  @contextlib.contextmanager
-  def step(self, op: str, **fields):
-    """Announce `op`, then run its body here; a collective that fails (a follower died) or a
-    follower that never finishes its previous step raises LearnerLost."""
+  def run(self, op: str, body, **fields):
+    """Announce `op`, then run `body()` here -> its result. A collective that fails (a follower
+    died), a follower that never finishes its previous step, or one that stops raising its
+    counter while `body` waits on it (an orbax barrier) raises LearnerLost."""
     with self._lock:
       if self.lost is not None:
         raise self._lose(self.lost)
       if self.seq:
         self._await_acks()
       self.seq += 1
-      _client().key_value_set(OP_KEY.format(seq=self.seq), json.dumps({"op": op, **fields}))
+      client = _client()
+      client.key_value_set(OP_KEY.format(seq=self.seq), json.dumps({"op": op, **fields}))
       try:
-        yield
+        return life_lib.run_watching(body, [life_lib.Life(client, p) for p in self.followers])
+      except life_lib.FollowerSilent as silent:
+        raise self._lose(f"learner process {silent.process} stopped answering during step "
+                         f"{self.seq} ({op}; no sign of life for {SILENT_S:.0f} s)") from None
       except jax.errors.JaxRuntimeError as error:
         raise self._lose(f"a collective of step {self.seq} ({op}) failed: "
                          f"{str(error)[:300]}") from error
 
   def update(self, learner, state, batch: TrainBatch, window_params, version: int, local: int):
-    with self.step("update", version=version, local=local, fields=_describe(batch),
-                   window=window_params is not None):
-      return update_step(learner, state, batch, window_params, version, local)
+    return self.run("update", lambda: update_step(learner, state, batch, window_params, version,
+                                                  local),
+                    version=version, local=local, fields=_describe(batch),
+                    window=window_params is not None)
 
   def copy(self, params):
-    with self.step("copy"):
-      return build_lib.copy_params(params)
+    return self.run("copy", lambda: build_lib.copy_params(params))
 
   def host(self, params):
-    with self.step("host"):
-      return host_params(params)
+    return self.run("host", lambda: host_params(params))
 
   def checkpointer(self, directory, *, log=print) -> LeaderCheckpointer:
     return LeaderCheckpointer(self, directory, log=log)
@@ -260,8 +264,7 @@ class Leader:
   def stop(self) -> None:
     """The run is over: the followers leave their loop (waits for their last step)."""
     if self.lost is None:
-      with self.step("stop"):
-        pass
+      self.run("stop", lambda: None)
       self._await_acks()
 
 
@@ -271,17 +274,17 @@ class LeaderCheckpointer(RunCheckpointer):
 
   def __init__(self, leader: Leader, directory, *, log=print):
     self.leader = leader
-    with leader.step("open", directory=str(directory)):
-      super().__init__(directory, log=log)
+    leader.run("open", lambda: super(LeaderCheckpointer, self).__init__(directory, log=log),
+               directory=str(directory))
 
   def save(self, step, state, prompt_iterator, run_state, *, wait: bool = True) -> None:
-    with self.leader.step("save", step=int(step)):
-      super().save(step, state, prompt_iterator, run_state, wait=True)
+    self.leader.run("save", lambda: super(LeaderCheckpointer, self).save(
+        step, state, prompt_iterator, run_state, wait=True), step=int(step))
     self.leader.last_checkpoint = int(step)
 
   def restore_latest(self, state, prompt_iterator):
-    with self.leader.step("restore"):
-      restored = super().restore_latest(state, prompt_iterator)
+    restored = self.leader.run(
+        "restore", lambda: super(LeaderCheckpointer, self).restore_latest(state, prompt_iterator))
     if restored is not None:
       self.leader.last_checkpoint = restored[2]
     return restored
@@ -289,8 +292,7 @@ class LeaderCheckpointer(RunCheckpointer):
   def close(self) -> None:
     if self.leader.lost is not None:  # a barrier with a dead process would fail or hang
       return
-    with self.leader.step("close"):
-      super().close()
+    self.leader.run("close", super().close)
 
 
 class PublishFromHost:
@@ -309,32 +311,6 @@ class PublishFromHost:
 
 
 # ---- the other processes -------------------------------------------------------------------
-class _Life:
-  """A follower's sign-of-life counter as process 0 sees it: how long it has stood still."""
-
-  def __init__(self, client, process: int):
-    self.client, self.key = client, ALIVE_KEY.format(process=process)
-    self.value, self.since = self._read(), time.monotonic()
-
-  def _read(self):
-    with contextlib.suppress(jax.errors.JaxRuntimeError):
-      return self.client.key_value_increment(self.key, 0)
-
-  def silent_s(self) -> float:
-    value = self._read()
-    if value != self.value:
-      self.value, self.since = value, time.monotonic()
-    return time.monotonic() - self.since
-
-
-def _signs_of_life(stop: threading.Event) -> None:
-  """A follower's thread: raises its counter every ALIVE_EVERY_S until `stop`."""
-  client, key = _client(), ALIVE_KEY.format(process=jax.process_index())
-  while not stop.wait(ALIVE_EVERY_S):
-    with contextlib.suppress(Exception):
-      client.key_value_increment(key, 1)
-
-
 def _next_instruction(seq: int) -> dict:
   """Waits for instruction `seq` for as long as process 0 lives (its coordination service)."""
   client = _client()
@@ -354,7 +330,8 @@ def follow(config: RunConfig, *, log=print) -> int:
   """A follower's whole run: build the learner side, then do process 0's steps until 'stop'.
   Returns the number of updates it ran."""
   stop = threading.Event()
-  threading.Thread(target=_signs_of_life, args=(stop,), name="alive", daemon=True).start()
+  threading.Thread(target=life_lib.signs_of_life, args=(_client(), jax.process_index(), stop),
+                   name="alive", daemon=True).start()
   try:
     return _follow(config, log=log)
   finally:
