@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import threading
 import time
 
@@ -199,17 +200,19 @@ class Leader:
         except jax.errors.JaxRuntimeError as error:
           waited = time.monotonic() - began
           if "DEADLINE_EXCEEDED" not in str(error) or waited >= self.ack_timeout_s:
-            raise self._lose(f"learner process {process} did not finish step {self.seq} "
+            raise self.lose(f"learner process {process} did not finish step {self.seq} "
                              f"within {waited:.0f} s ({str(error)[:200]})") from error
           if life.silent_s() >= SILENT_S:
-            raise self._lose(f"learner process {process} stopped answering during step "
+            raise self.lose(f"learner process {process} stopped answering during step "
                              f"{self.seq} (no sign of life for {SILENT_S:.0f} s)") from error
       client.key_value_delete(key)
     # Every follower has read the instruction: only now may it go (a follower that deleted it
     # on reading would hide it from the others).
     client.key_value_delete(OP_KEY.format(seq=self.seq))
 
-  def _lose(self, why: str) -> LearnerLost:
+  def lose(self, why: str) -> LearnerLost:
+    """The run cannot go on (the first `why` is kept): the error that names the last
+    checkpoint."""
     self.lost = self.lost or why
     where = ("no checkpoint was written" if self.last_checkpoint is None
              else f"the last checkpoint is policy_version {self.last_checkpoint}")
@@ -222,7 +225,7 @@ class Leader:
     counter while `body` waits on it (an orbax barrier) raises LearnerLost."""
     with self._lock:
       if self.lost is not None:
-        raise self._lose(self.lost)
+        raise self.lose(self.lost)
       if self.seq:
         self._await_acks()
       self.seq += 1
@@ -231,10 +234,10 @@ class Leader:
       try:
         return life_lib.run_watching(body, [life_lib.Life(client, p) for p in self.followers])
       except life_lib.FollowerSilent as silent:
-        raise self._lose(f"learner process {silent.process} stopped answering during step "
+        raise self.lose(f"learner process {silent.process} stopped answering during step "
                          f"{self.seq} ({op}; no sign of life for {SILENT_S:.0f} s)") from None
       except jax.errors.JaxRuntimeError as error:
-        raise self._lose(f"a collective of step {self.seq} ({op}) failed: "
+        raise self.lose(f"a collective of step {self.seq} ({op}) failed: "
                          f"{str(error)[:300]}") from error
 
   def update(self, learner, state, batch: TrainBatch, window_params, version: int, local: int):
@@ -278,8 +281,16 @@ class LeaderCheckpointer(RunCheckpointer):
                directory=str(directory))
 
   def save(self, step, state, prompt_iterator, run_state, *, wait: bool = True) -> None:
-    self.leader.run("save", lambda: super(LeaderCheckpointer, self).save(
-        step, state, prompt_iterator, run_state, wait=True), step=int(step))
+    try:
+      self.leader.run("save", lambda: super(LeaderCheckpointer, self).save(
+          step, state, prompt_iterator, run_state, wait=True), step=int(step))
+    except LearnerLost:
+      # A follower died in orbax's last barrier, after the checkpoint's directory got its
+      # final name (orbax's commit): that checkpoint is whole, and the message says so.
+      if not os.path.isdir(os.path.join(self.directory, str(int(step)))):
+        raise
+      self.leader.last_checkpoint = int(step)
+      raise self.leader.lose(self.leader.lost) from None
     self.leader.last_checkpoint = int(step)
 
   def restore_latest(self, state, prompt_iterator):
