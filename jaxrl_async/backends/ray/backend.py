@@ -328,6 +328,18 @@ def weight_channels(parts: Parts, run_dir, store) -> tuple[Any, dict]:
           {"kind": "ray", "store": store})
 
 
+def await_started(first_calls: dict[str, Any], timeout_s: float = RESTART_WAIT_S) -> None:
+  """Waits for each actor's answer to a first call (its remote method, by the actor's name): an
+  actor's start (a worker process importing JAX, slow on a loaded machine) is bounded by
+  `timeout_s`, not by the margin of the calls that follow it."""
+  ray = require_ray()
+  for name, method in first_calls.items():
+    try:
+      ray.get(method.remote(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError as error:
+      raise TimeoutError(f"the {name} actor did not start within {timeout_s:.0f} s") from error
+
+
 class RayBackend(Backend):
   """Connects to the Ray cluster this process is attached to (`ray.init` done by the caller),
   else to RAY_ADDRESS, else starts a local one."""
@@ -356,7 +368,8 @@ class RayBackend(Backend):
     fleet = RayFleet(cfg, buffer_actor, channel_spec,
                      status_path=os.path.join(run_dir, "rollout_servers.json"), log=log)
     try:
-      fleet.launch()
+      fleet.launch()  # the rollout actors start meanwhile
+      await_started({"buffer": buffer_actor.node_id, "weight store": store.latest})
       yield Connection(buffer=DriverBuffer(buffer_actor), channel=channel, fleet=fleet,
                        started_groups=lambda: ray.get(buffer_actor.ledger.remote(),
                                                       timeout=60.0))
