@@ -56,6 +56,21 @@ def alive(pid: int) -> bool:
     return False
 
 
+def stopped(pid: int, timeout_s: float = 10.0) -> None:
+  """Waits until every thread of `pid` is stopped: a SIGSTOP takes effect after kill returns."""
+  def states() -> list[str]:
+    found = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+      with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii") as f:
+        found.append(f.read().rsplit(")", 1)[1].split()[0])
+    return found
+
+  deadline = time.monotonic() + timeout_s
+  while any(state not in ("T", "t") for state in states()):
+    assert time.monotonic() < deadline, f"process {pid} did not stop: {states()}"
+    time.sleep(0.01)
+
+
 def answer(task, digits: str, reverse: bool = True):
   """(prompt tokens, response tokens) for `digits`, answered right or copied."""
   tok = task.tokenizer
@@ -178,6 +193,7 @@ def test_a_killed_or_hung_service_gives_a_clear_error_within_the_timeout(start):
   prompt, response = answer(task, "907")
   assert client.verify(1, prompt, response).reward == 1.0
   os.kill(process.process.pid, signal.SIGSTOP)  # hung: the call times out
+  stopped(process.process.pid)
   began = time.monotonic()
   with pytest.raises(VerifierTimeout, match="call_timeout_s=1.0"):
     client.verify(2, prompt, response)
