@@ -32,11 +32,16 @@ BINDINGS = run_lives.TINY_BINDINGS + (
     "RunConfig.reward_timeout_s = 1.0",
     "RunConfig.reward_retries = 0",
 )
+# A rollout server hung in its decode loop is named from its last health answer. A checkpoint
+# pauses the fleet, and the pause of a hung server holds the fleet (and its heartbeat) until the
+# pause's own timeout, longer than the watchdog's: a hang just before a checkpoint would leave
+# the watchdog an answer from before the hang. These cases write no checkpoint.
+DECODE_HANG = ("rollout.decode_step", 60, ("RunConfig.checkpoint_every_versions = 1000",))
 # (mode, point, hit, more bindings): hits land after a few versions.
-CASES = [("gin/modes/async_partial.gin", point, hit, ()) for point, hit in (
-    ("checkpoint.before_write", 2), ("checkpoint.after_write", 2), ("buffer.get_groups", 5),
-    ("learner.trained", 5), ("learner.take_publish", 5), ("sync.publish", 5),
-    ("rollout.decode_step", 60))]
+CASES = [("gin/modes/async_partial.gin", point, hit, extra) for point, hit, extra in (
+    ("checkpoint.before_write", 2, ()), ("checkpoint.after_write", 2, ()),
+    ("buffer.get_groups", 5, ()), ("learner.trained", 5, ()), ("learner.take_publish", 5, ()),
+    ("sync.publish", 5, ()), DECODE_HANG)]
 CASES += [("gin/modes/sync.gin", "sync.publish", 3, ()),
           ("gin/modes/sync.gin", "buffer.get_groups", 3, ())]
 # The processes backend: the learner's watchdog, in its own process, ends a run whose learner
@@ -44,13 +49,13 @@ CASES += [("gin/modes/sync.gin", "sync.publish", 3, ()),
 # answer, as its control thread still answers).
 PROCESSES = ("RunConfig.backend = 'processes'", "RunConfig.heartbeat_timeout_s = 10.0")
 PROCESSES_CASES = [("gin/modes/async_partial.gin", "learner.trained", 5, PROCESSES),
-                   ("gin/modes/async_partial.gin", "rollout.decode_step", 60, PROCESSES)]
+                   ("gin/modes/async_partial.gin", *DECODE_HANG[:2], PROCESSES + DECODE_HANG[2])]
 # The Ray backend: the driver's watchdog, a hung learner and a rollout actor hung in its decode
 # loop (the fault plan reaches the actors through their environment).
 RAY = ("RunConfig.backend = 'ray'", "RunConfig.ray_rollout_cpus = 0.5",
        "RunConfig.heartbeat_timeout_s = 10.0")
 RAY_CASES = [("gin/modes/async_partial.gin", "learner.trained", 5, RAY),
-             ("gin/modes/async_partial.gin", "rollout.decode_step", 60, RAY)]
+             ("gin/modes/async_partial.gin", *DECODE_HANG[:2], RAY + DECODE_HANG[2])]
 
 
 def _start(index, case, tmp_path, env=None):
@@ -113,7 +118,7 @@ def test_a_hang_at_each_point_and_in_each_backend_ends_the_run_within_its_bound(
     warnings.warn("ray is not installed: the Ray backend's hang cases do not run", stacklevel=1)
   runs, cluster = [], None
   try:
-    first = CASES.index(("gin/modes/async_partial.gin", "rollout.decode_step", 60, ()))
+    first = CASES.index(("gin/modes/async_partial.gin", *DECODE_HANG))
     runs.append((CASES[first], tmp_path / "run0", _start(0, CASES[first], tmp_path)))
     if with_ray:
       from jaxrl_async.backends.ray import placement
