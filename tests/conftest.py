@@ -35,10 +35,10 @@ import jax  # noqa: E402  (after the environment is set)
 import pytest  # noqa: E402
 
 # The tests compile hundreds of small programs, and XLA's optimisation passes are most of that
-# compile time while gaining little at these shapes: a test not marked slow runs with them off
-# (JAXRL_ASYNC_TEST_XLA_OPT=1 keeps them on everywhere). Slow tests (long runs, where the
-# programs' speed matters more than their compile time) and the runs tests start as
-# subprocesses compile as a user's run does.
+# compile time while gaining little at these shapes: the tests run with them off, slow ones
+# included (test_resume_faults and test_end_to_end: 67 CPU-s with them, 49 without).
+# JAXRL_ASYNC_TEST_XLA_OPT=1 keeps them on everywhere. The runs tests start as subprocesses
+# compile as a user's run does, bar tiny ones (tests/run_lives.py).
 XLA_OPT_EVERYWHERE = bool(os.environ.get("JAXRL_ASYNC_TEST_XLA_OPT"))
 
 
@@ -57,8 +57,8 @@ def warm_start_cache():
 
 def pytest_runtest_setup(item):
   """Before the test's fixtures are built (a module's fixtures follow its first test)."""
-  slow = item.get_closest_marker("slow") is not None
-  jax.config.update("jax_disable_most_optimizations", not (slow or XLA_OPT_EVERYWHERE))
+  del item
+  jax.config.update("jax_disable_most_optimizations", not XLA_OPT_EVERYWHERE)
 
 
 def _expected_length(item) -> tuple[int, int]:
