@@ -19,7 +19,9 @@ The window's metrics, from the version records (docs/knobs.md):
 
 The rule (`decide`), with h = `staleness_hysteresis`:
   1. over budget: stale_ratio > stale_ratio_budget or kl > kl_budget -> s - step (not below
-     staleness_min). Safety first: a budget beats idleness.
+     staleness_min). Safety first: a budget beats idleness. A stale_ratio_budget of 1.0 (the
+     default) is no budget: a share cannot exceed it, and its hysteresis band would otherwise
+     hold s wherever the share passes (1 - h).
   2. else, idle_ratio > idle_target, both metrics at most (1 - h) x their budget, and s + step
      did not break a budget in the remembered windows -> s + step (not above staleness_max).
   3. else s stays. Between (1 - h) x budget and the budget s neither rises nor falls (a dead
@@ -124,7 +126,8 @@ def over_budget(control: StalenessControl, metrics: WindowMetrics,
                 scale: float = 1.0) -> list[str]:
   """Each metric above `scale` x its budget, as 'name value > bound'."""
   found = []
-  if metrics.stale_ratio > scale * control.stale_ratio_budget:
+  if (control.stale_ratio_budget < 1.0
+      and metrics.stale_ratio > scale * control.stale_ratio_budget):
     found.append(f"stale_ratio {metrics.stale_ratio:.3g} > "
                  f"{_scaled('stale_ratio_budget', control.stale_ratio_budget, scale)}")
   if math.isfinite(metrics.kl) and metrics.kl > scale * control.kl_budget:

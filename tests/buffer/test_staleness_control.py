@@ -62,6 +62,19 @@ def test_the_rule(threshold, metrics, history, expected, reason):
   assert reason in decision.reason
 
 
+def test_a_stale_ratio_budget_of_one_is_no_budget():
+  """At 1.0 (RunConfig's default) every stale ratio is within budget and outside the
+  hysteresis band, so idleness alone raises s; the KL budget still lowers it."""
+  unbounded = dataclasses.replace(ADAPTIVE, stale_ratio_budget=1.0)
+  all_stale = WindowMetrics(idle_ratio=0.4, stale_ratio=1.0, kl=0.001)
+  assert sc.over_budget(unbounded, all_stale) == []
+  assert sc.decide(unbounded, 0.5, all_stale).threshold == 0.75
+  assert sc.decide(unbounded, 0.5, all_stale._replace(kl=0.03)).threshold == 0.25
+  # just under 1.0 it is a budget again, with its band
+  assert sc.decide(dataclasses.replace(ADAPTIVE, stale_ratio_budget=0.99), 0.5,
+                   all_stale).threshold == 0.25
+
+
 def test_a_breach_is_forgotten_after_the_memory():
   breach = WindowOutcome(0.75, WindowMetrics(0.4, 0.7, 0.0), -0.25)
   calm = WindowOutcome(0.5, IDLE, 0.0)
