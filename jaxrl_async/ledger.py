@@ -93,7 +93,8 @@ def read_events(path: str | os.PathLike) -> list[dict]:
 def audit(events: Iterable[dict], *, group_size: int, next_group_id: int | None = None,
           groups: Iterable[int] | None = None) -> dict:
   """Where each produced sample went. The produced groups are ids 0 .. next_group_id - 1 (one
-  prompt pipeline), or `groups` (several servers, each numbering its own). Returns counts and
+  prompt pipeline), or `groups` (several servers, each numbering its own, over every fleet
+  shape of the run: `backends.fleet_shape.group_ids`). Returns counts and
   the problems found:
 
   - `missing`: produced samples neither consumed nor dropped (lost);

@@ -53,7 +53,7 @@ def test_the_audit_finds_lost_twice_and_unknown_samples(tmp_path):
 def test_the_audit_of_strided_servers_counts_only_their_groups(tmp_path):
   # Two rollout servers: server 0 drew groups 0, 2, 4; server 1 drew 1, 3 (next ids 6 and 5).
   groups = fleet.produced_groups([6, 5])
-  assert groups == [0, 2, 4, 1, 3]
+  assert groups == [0, 1, 2, 3, 4]
   ledger = _write(tmp_path)  # consumed 0 and 2, dropped 1
   ledger.consumed(2, [_group(4, 14)])
   ledger.dropped("shutdown", [(3, 0), (5, 0)])  # 5: no server drew it

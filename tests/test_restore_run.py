@@ -16,7 +16,7 @@ class _Checkpointer:
     self.run_state = run_state
 
   def restore_latest(self, state, prompts):
-    del prompts
+    prompts.states = self.run_state.get("prompts", [])
     return state, self.run_state, None
 
 
@@ -33,11 +33,27 @@ def test_a_run_state_without_per_server_rollout_state_is_refused_as_an_older_lay
   assert "/runs/r/checkpoints" in str(error.value)
 
 
-def test_a_different_number_of_rollout_servers_is_refused_naming_both():
-  checkpointer = _Checkpointer({"rollout": {"backend": "processes", "servers": [{}, {}]}})
-  with pytest.raises(ValueError, match="num_rollout_servers=1") as error:
+def test_a_different_number_of_rollout_servers_is_re_dealt_and_says_so():
+  servers = [{"next_group_id": 6, "inflight": [{"group_id": 4, "problem": {}, "missing": [1]}]},
+             {"next_group_id": 5, "inflight": []}]
+  checkpointer = _Checkpointer({"rollout": {"backend": "processes", "servers": servers},
+                                "prompts": [{"next_index": 3}, {"next_index": 2}]})
+  said = []
+  _, _, restores, (closed, starts) = restore_run(checkpointer, _parts(3), log=said.append)
+  assert "saved by 2 rollout servers (processes backend)" in said[0] and "to 3" in said[0]
+  assert closed == [[0, 2, 6], [1, 2, 5]] and starts == [6, 7, 8]
+  assert [r["rollout"]["next_group_id"] for r in restores] == starts
+  assert [len(r["rollout"]["inflight"]) for r in restores] == [1, 0, 0]
+  # shard 0 drew positions 0, 2, 4 and shard 1 drew 1, 3: the new tails start at 6
+  assert [r["prompts"]["first"] for r in restores] == [6, 7, 8]
+  assert [r["prompts"]["holes"] for r in restores] == [[5], [], []]
+
+
+def test_prompt_states_that_do_not_match_the_servers_are_refused():
+  checkpointer = _Checkpointer({"rollout": {"backend": "processes", "servers": [
+      {"next_group_id": 0, "inflight": []}]}, "prompts": []})
+  with pytest.raises(ValueError, match="1 servers' rollout states but 0 prompt states"):
     restore_run(checkpointer, _parts(1), log=lambda *a: None)
-  assert "2 rollout servers (processes backend)" in str(error.value)
 
 
 def test_no_checkpoint_starts_from_scratch_and_says_so():

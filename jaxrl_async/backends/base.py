@@ -19,6 +19,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
+from jaxrl_async.backends.fleet_shape import close, group_ids
 from jaxrl_async.buffer import VersionedBuffer
 from jaxrl_async.config import RunConfig
 from jaxrl_async.sync.channel import WeightChannel
@@ -48,10 +49,13 @@ def warn_unscored(index: int, health: dict, log) -> None:
         "being scored (a reward call slower than the stop's timeout)")
 
 
-def produced_groups(next_group_ids: list[int]) -> list[int]:
-  """The group ids K servers drew, from each one's next group id (server k: k, k + K, ...)."""
-  stride = len(next_group_ids)
-  return [g for k, next_id in enumerate(next_group_ids) for g in range(k, next_id, stride)]
+def produced_groups(next_group_ids: list[int], starts: list[int] | None = None,
+                    closed: list | None = None) -> list[int]:
+  """The group ids K servers drew, from each one's next group id (server k: s_k, s_k + K, ...,
+  s_k = `starts[k]`, default k) and the segments of fleet shapes that ended
+  (`fleet_shape.group_ids`)."""
+  starts = list(range(len(next_group_ids))) if starts is None else starts
+  return group_ids(close(closed or [], starts, next_group_ids))
 
 
 class Fleet(abc.ABC):
@@ -71,6 +75,11 @@ class Fleet(abc.ABC):
     self.final_counts: list[dict] = []
     self.final_sync: list[dict] = []  # weight-store load counts of servers that ended
     self.pending_spans: list = []
+    # Group ids (fleet_shape): where each server started in this fleet shape (stride
+    # num_servers), and the [first, stride, end] segments of shapes that ended; the loop sets
+    # both before `start`, an elastic fleet changes them when it changes size.
+    self.group_starts: list[int] = list(range(num_servers))
+    self.closed_segments: list = []
     self._lock = threading.RLock()
 
   # ---- driven by the loop -------------------------------------------------------------------
@@ -163,11 +172,12 @@ class Fleet(abc.ABC):
 
   def next_group_ids(self) -> list[int]:
     """After `stop`: each server's next group id, from its last health answer."""
-    return [h.get("next_group_id", index) for index, h in enumerate(self.last_health)]
+    return [h.get("next_group_id", self.group_starts[index])
+            for index, h in enumerate(self.last_health)]
 
   def produced_groups(self) -> list[int]:
     """After `stop`: the group ids the servers drew, over every life of the run."""
-    return produced_groups(self.next_group_ids())
+    return produced_groups(self.next_group_ids(), self.group_starts, self.closed_segments)
 
   def take_spans(self) -> list:
     """The servers' busy spans received since the last call ((role, start, end), this host's

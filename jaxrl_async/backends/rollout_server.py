@@ -6,8 +6,12 @@ side only through a `BufferClient` and a weight channel. `RolloutControl` is wha
 controller asks of it; `processes.rollout_process.RolloutProcess` is the same interface for a
 server in a child process.
 
-Server k of K draws the prompts of shard k (`tasks.prompts.shard_prompt_dataset`) and numbers
-its groups k, k + K, k + 2K, ..., so prompt ids and group ids never collide between servers.
+Server k of K draws its share of the prompt stream (`tasks.prompt_stream.StreamShard`: on a
+fresh run the positions k, k + K, k + 2K, ... of the shuffled epochs) and numbers its groups
+s, s + K, s + 2K, ... from its start s (k on a fresh run; `restore['rollout']['next_group_id']`
+otherwise), so prompts and group ids never collide between servers. When the number of servers
+changes, `backends.fleet_shape` deals new shares and starts, which reach a server only through
+its `restore`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from jaxrl_async.metrics import RoleTimer
 from jaxrl_async.rollout.evaluate import evaluate
 from jaxrl_async.rollout.server_rollouter import ServerRollouter
 from jaxrl_async.run.build import RolloutSide, build_rollout_side
+from jaxrl_async.tasks.prompt_stream import StreamShard
 
 
 class RolloutControl(abc.ABC):
@@ -84,6 +89,21 @@ def first_start(restore: dict | None, index: int) -> tuple[dict, dict]:
                    "next_group_id": rollout.get("next_group_id", index)}
 
 
+def open_prompts(side: RolloutSide, state, index: int, count: int, seed: int):
+  """Server `index` of `count`'s prompt iterator, at `state` (None: its fresh start). A task
+  with its own prompt pipeline (stored rows) keeps it: one server, and no re-dealt state."""
+  if getattr(side.task, "prompt_dataset", None) is None:
+    prompts = StreamShard(side.task, seed=seed, index=index, count=count)
+  else:
+    if isinstance(state, dict) and "stride" in state:
+      raise ValueError(f"{type(side.task).__name__} makes its own prompt pipeline: its "
+                       "prompts cannot be re-dealt to another number of rollout servers")
+    prompts = side.prompts
+  if state is not None:
+    prompts.set_state(state)
+  return prompts
+
+
 class RolloutServer(RolloutControl):
   """One rollout server in this process; `restore` = {'rollout': ..., 'prompts': ...} from a
   snapshot (a checkpoint: admissions are re-acquired) or from the buffer service after a
@@ -96,14 +116,14 @@ class RolloutServer(RolloutControl):
     self.side = (build_rollout_side(config, server_index, num_servers) if side is None
                  else side)
     restore = restore or {}
-    if restore.get("prompts") is not None:
-      self.side.prompts.set_state(restore["prompts"])
+    self.prompts = open_prompts(self.side, restore.get("prompts"), server_index, num_servers,
+                                config.seed)
     rollout = restore.get("rollout") or {}
     self.timer = RoleTimer()
     self.side.rewards.timer = self.timer
     self.channel = channel
     self.rollouter = ServerRollouter(
-        batcher=self.side.new_batcher(), prompts=self.side.prompts, rewards=self.side.rewards,
+        batcher=self.side.new_batcher(), prompts=self.prompts, rewards=self.side.rewards,
         buffer=buffer, channel=channel, timer=self.timer,
         make_requests=self.side.make_requests, group_size=config.group_size,
         partial_rollout=config.partial_rollout, partial_strategy=config.partial_strategy,
@@ -127,7 +147,7 @@ class RolloutServer(RolloutControl):
 
   def snapshot(self, timeout: float = 10.0) -> dict[str, Any]:
     del timeout
-    return {"rollout": self.rollouter.snapshot(), "prompts": self.side.prompts.get_state()}
+    return {"rollout": self.rollouter.snapshot(), "prompts": self.prompts.get_state()}
 
   def evaluate(self, timeout: float = 600.0) -> dict[str, float]:
     del timeout

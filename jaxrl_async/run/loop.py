@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 
+from jaxrl_async.backends import fleet_shape
 from jaxrl_async.backends.base import Backend, Connection, RoleFailed
 from jaxrl_async.buffer import staleness_control
 from jaxrl_async.buffer.groups import decode_sample, encode_sample
@@ -64,7 +65,7 @@ class ShardPrompts:
 def fleet_figures(fleet) -> dict:
   """The rollout side's figures: counts, busy time, reward outcomes and re-issues."""
   return {**fleet.rollout_counts(), **fleet.server_timers(), **fleet.reward_counts(),
-          **fleet.sync_figures(), **fleet.counts}
+          **fleet.sync_figures(), "fleet/size": fleet.num_servers, **fleet.counts}
 
 
 def make_learner_role(parts: Parts, state, buffer, channel, timer, *, start_version: int,
@@ -85,8 +86,10 @@ def make_learner_role(parts: Parts, state, buffer, channel, timer, *, start_vers
 
 
 def restore_run(checkpointer: RunCheckpointer, parts: Parts, *, log=print):
-  """(state, run_state, per-server restores) from the newest checkpoint that reads back whole,
-  or None when there is none (then the run starts from scratch, and says so)."""
+  """(state, run_state, per-server restores, (closed group-id segments, each server's first
+  group id)) from the newest checkpoint that reads back whole, or None when there is none (then
+  the run starts from scratch, and says so). A checkpoint of another number of rollout servers
+  is re-dealt to `num_rollout_servers` (`backends.fleet_shape`)."""
   cfg = parts.config
   shards = ShardPrompts()
   restored = checkpointer.restore_latest(parts.learner.initial_state, shards)
@@ -101,13 +104,12 @@ def restore_run(checkpointer: RunCheckpointer, parts: Parts, *, log=print):
                      "state (an older run-state layout, not migrated): it cannot be resumed; "
                      "start a new run in another directory")
   if len(servers) != cfg.num_rollout_servers:
-    raise ValueError(f"num_rollout_servers={cfg.num_rollout_servers}: the checkpoint under "
-                     f"{checkpointer.directory} was saved by {len(servers)} rollout servers "
-                     f"({rollout.get('backend')} backend); resume with the same number of "
-                     "rollout servers")
-  restores = [{"rollout": server, "prompts": prompts}
-              for server, prompts in zip(servers, shards.states, strict=True)]
-  return state, run_state, restores
+    log(f"resume: the checkpoint was saved by {len(servers)} rollout servers "
+        f"({rollout.get('backend')} backend); prompts and unfinished groups are re-dealt to "
+        f"{cfg.num_rollout_servers}")
+  restores, closed, starts = fleet_shape.resized_restores(rollout, shards.states,
+                                                          cfg.num_rollout_servers)
+  return state, run_state, restores, (closed, starts)
 
 
 def restore_staleness(control, cfg, run_state):
@@ -147,7 +149,7 @@ def _run(parts: Parts, backend: Backend, connection: Connection, run_dir, *, res
   restored = restore_run(checkpointer, parts, log=log) if resume else None
   run_state = None
   if restored is not None:
-    state, run_state, restores = restored
+    state, run_state, restores, (fleet.closed_segments, fleet.group_starts) = restored
     version = run_state["policy_version"]
     totals = {"consumed": run_state["consumed_samples"], "tokens": run_state["consumed_tokens"]}
     buffer.set_state(run_state["buffer"])
@@ -186,7 +188,10 @@ def _run(parts: Parts, backend: Backend, connection: Connection, run_dir, *, res
                 "buffer": buffer.get_state(),
                 "taken": [[encode_sample(s) for s in g] for g in (pending or [])],
                 "rollout": {"backend": backend.name,
-                            "servers": [s["rollout"] for s in snapshots]},
+                            "servers": [s["rollout"] for s in snapshots],
+                            "segments": fleet_shape.close(
+                                fleet.closed_segments, fleet.group_starts,
+                                [s["rollout"]["next_group_id"] for s in snapshots])},
                 "last_eval": last_eval, "evaluated_version": evaluated,
                 **({} if staleness is None else {
                     "staleness": staleness_control.state_to_json(staleness)}),

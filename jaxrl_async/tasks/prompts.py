@@ -86,7 +86,9 @@ def shard_prompt_dataset(task: base.Task, *, seed: int, shard_index: int, shard_
                          epoch_size: int = DEFAULT_EPOCH_SIZE) -> grain.IterDataset:
   """Shard `shard_index` of the training prompts: every `shard_count`-th index of the shuffled
   epoch, so shards are disjoint and together are the whole epoch (shard 0 of 1 is the
-  pipeline of `prompt_dataset`)."""
+  pipeline of `prompt_dataset`). Past the first epoch its repeat does not follow the single
+  stream's reshuffled epochs; rollout servers draw `prompt_stream.StreamShard`, which does (and
+  which a fleet of another size can continue)."""
   if not isinstance(shard_count, int) or shard_count < 1:
     raise ValueError(f"shard_count must be an int >= 1, got {shard_count!r}")
   if not isinstance(shard_index, int) or not 0 <= shard_index < shard_count:
