@@ -24,6 +24,7 @@ from jaxrl_async.sharding import MeshShape
 
 MODES = ("sync", "on_policy", "stream_off_policy", "async_stale", "async_partial")
 SYNC_BACKENDS = ("device", "store")
+RAY_BUFFERS = ("driver", "actor")
 BACKENDS = ("threads", "processes", "ray")
 METRIC_SINKS = ("tensorboard", "wandb")
 GROUP_FILTERS = (None, "uniform_reward")
@@ -108,6 +109,9 @@ class RunConfig:
   ray_rollout_resource: str | None = None
   ray_rollout_cpus: float = 1.0
   ray_rollout_gpus: float = 0.0
+  # 'ray': where the run's buffer lives: 'driver' (the learner's process, served to the rollout
+  # actors over the buffer service's socket transport) or 'actor' (a buffer actor, Ray calls).
+  ray_buffer: str = "driver"
   # -- bookkeeping --
   eval_every_versions: int = 10
   eval_size: int = 256
@@ -325,6 +329,7 @@ def _check_ray(config) -> None:
   for name in ("ray_rollout_cpus", "ray_rollout_gpus"):
     if not getattr(config, name) >= 0:
       raise ValueError(f"{name} must be >= 0, got {getattr(config, name)}")
+  _choice("ray_buffer", config.ray_buffer, RAY_BUFFERS)
 
 
 def _choice(name: str, value, allowed) -> None:

@@ -214,21 +214,10 @@ def test_weights_cross_nodes_through_the_object_store(probes):
 
 
 # ---- a killed rollout actor: restarted by Ray, its groups re-issued exactly once -----------------
-@ray.remote
-class GroupWriter:
-  """A rollout-side actor that starts groups through the buffer's admission and puts them
-  member by member (what a rollout server does, without the engine). On a restart it takes
-  over the groups its previous incarnation left in flight and re-issues each exactly once."""
-
-  def __init__(self, buffer, group_size):
-    self.buffer_actor, self.group_size = buffer, group_size
-    self.incarnation = ray.get_runtime_context().was_current_actor_reconstructed
-    self.reissued = []
-    if self.incarnation:
-      taken = ray.get(buffer.revoke.remote("writer-0", 60.0), timeout=CALL_S)
-      self.reissued = [(e["group_id"], e["missing"]) for e in taken["inflight"]]
-    self.client = ray_buffer.RayBufferClient(buffer, f"writer-{int(self.incarnation)}",
-                                              margin_s=CALL_S)
+class PutsGroups:
+  """What a rollout server does with the buffer, without the engine: starts groups through
+  admission (`self.client`) and puts them member by member; `reissue` puts what `self.reissued`
+  names (the groups a previous incarnation left in flight)."""
 
   def pid(self):
     return os.getpid()
@@ -247,6 +236,22 @@ class GroupWriter:
     for group_id, missing in self.reissued:
       self.put(group_id, missing)
     return self.reissued
+
+
+@ray.remote
+class GroupWriter(PutsGroups):
+  """A rollout-side actor through the buffer actor. On a restart it takes over the groups its
+  previous incarnation left in flight and re-issues each exactly once."""
+
+  def __init__(self, buffer, group_size):
+    self.buffer_actor, self.group_size = buffer, group_size
+    self.incarnation = ray.get_runtime_context().was_current_actor_reconstructed
+    self.reissued = []
+    if self.incarnation:
+      taken = ray.get(buffer.revoke.remote("writer-0", 60.0), timeout=CALL_S)
+      self.reissued = [(e["group_id"], e["missing"]) for e in taken["inflight"]]
+    self.client = ray_buffer.RayBufferClient(buffer, f"writer-{int(self.incarnation)}",
+                                              margin_s=CALL_S)
 
   def incarnation_and_reissued(self):
     return self.incarnation, self.reissued
@@ -292,6 +297,81 @@ def test_a_killed_rollout_actor_is_restarted_and_its_groups_reissued_once(cluste
   ray.get(buffer.check_invariants.remote(), timeout=CALL_S)
   for actor in (writer, buffer):
     ray.kill(actor)
+
+
+# ---- the buffer in the driver: served over the socket transport, claims beside it ---------------
+@ray.remote
+class ClaimingWriter(PutsGroups):
+  """`GroupWriter` as the rollout actor starts with the buffer in the driver: it waits for its
+  restore, claims server 0's work through the link (a restarted incarnation gets its
+  predecessor's unfinished groups) and puts through the link's client."""
+
+  def __init__(self, link, group_size):
+    from jaxrl_async.backends.ray.actor import wait_for_restore
+    self.group_size = group_size
+    restarted = ray.get_runtime_context().was_current_actor_reconstructed
+    claim = link.claim(0, wait_for_restore(link, 0), restarted, CALL_S)
+    self.client_id = claim["client_id"]
+    self.client = link.client(self.client_id)
+    self.reissued = [(e["group_id"], e["missing"])
+                     for e in claim["restore"]["rollout"]["inflight"]]
+    link.ready(0)
+
+  def client_and_reissued(self):
+    return self.client_id, self.reissued
+
+
+def test_a_killed_rollout_actor_reissues_its_groups_once_with_the_buffer_in_the_driver(cluster):
+  """RunConfig.ray_buffer = 'driver': the buffer and the claim book live in this process (the
+  driver), the actor reaches them over the socket transport on the driver node's address; a
+  SIGKILLed actor's successor claims its unfinished groups, each re-issued exactly once."""
+  del cluster
+  from jaxrl_async.backends.processes.buffer_service import ClientRevoked
+  from jaxrl_async.backends.ray.hosted import HostedBuffer
+
+  group_size = 4
+  hosted = HostedBuffer(buffer_kwargs(group_size=group_size, groups_per_version=4),
+                        host=ray.util.get_node_ip_address())
+  assert hosted.service.address[0] == "127.0.0.1"  # the loopback cluster's node address
+  try:
+    writer = ClaimingWriter.options(**ray_backend.role_options(
+        node_resource="rollout", num_cpus=0, max_restarts=1)).remote(hosted.link(), group_size)
+    assert hosted.constructing(0) or hosted.restarts() == 0  # waits for its restore
+    hosted.set_restores([None])
+    assert ray.get(writer.start_groups.remote([0, 1, 2, 3]), timeout=CALL_S) == 4
+    ray.get(writer.put.remote(0, [0, 1, 2, 3]), timeout=CALL_S)  # group 0 complete
+    ray.get(writer.put.remote(1, [0, 2]), timeout=CALL_S)  # group 1: members 1 and 3 in flight
+    assert [e["group_id"] for e in hosted.service.tracked("rollout-0-1")] == [1, 2, 3]
+    os.kill(ray.get(writer.pid.remote(), timeout=CALL_S), signal.SIGKILL)
+    deadline = time.monotonic() + CALL_S
+    while True:  # calls fail while Ray restarts the actor
+      try:
+        client_id, reissued = ray.get(writer.client_and_reissued.remote(), timeout=CALL_S)
+        break
+      except ray.exceptions.RayActorError:
+        assert time.monotonic() < deadline, "the rollout actor was not restarted"
+        time.sleep(0.5)
+    assert client_id == "rollout-0-2"
+    assert reissued == [(1, [1, 3]), (2, [0, 1, 2, 3]), (3, [0, 1, 2, 3])]
+    assert hosted.restarts() == 1 and not hosted.constructing(0)
+    counts = hosted.reissue_counts()
+    assert counts["runtime/reissued_groups/actor_restarted"] == 3
+    assert counts["runtime/reissued_samples/actor_restarted"] == 10
+    ray.get(writer.reissue.remote(), timeout=CALL_S)
+    groups = hosted.buffer.get_groups(4, 0, timeout=60.0)  # in-process: no call
+    assert sorted(g[0].prompt_id for g in groups) == [0, 1, 2, 3]
+    assert all(sorted(s.meta["index_in_group"] for s in g) == list(range(group_size))
+               for g in groups)
+    totals = hosted.buffer.counts
+    assert totals["consumed"] == 4 * group_size and totals["put"] == 4 * group_size
+    assert sum(totals["dropped"].values()) == 0 and totals["queued"] == 0
+    assert hosted.service.started_groups()["reissued"] == [1, 2, 3]
+    with pytest.raises(ClientRevoked, match="revoked"):  # the dead incarnation's client
+      hosted.link().client("rollout-0-1").publish_version(1)
+    hosted.buffer.check_invariants()
+    ray.kill(writer)
+  finally:
+    hosted.stop()
 
 
 # ---- whole runs: the learner in the driver (learner node), rollout servers as actors -----------

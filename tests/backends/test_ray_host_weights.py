@@ -103,3 +103,19 @@ def test_a_plain_attach_would_lose_the_segment_with_its_process():
 def test_an_actor_on_another_host_is_told_so():
   with pytest.raises(RuntimeError, match="not on this host"):
     host_weights.attach("jaxrl-no-such-segment", ABSTRACT)
+
+
+def test_a_local_cluster_of_two_nodes_gets_shared_memory():
+  """Both nodes of a local cluster are on 127.0.0.1, the driver's host: the weights go through
+  shared memory; a resource that no node offers leaves nothing to share with."""
+  os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+  pytest.importorskip("ray")
+  from jaxrl_async.backends.ray import placement
+  cluster = placement.start_local_cluster([{"num_cpus": 1, "resources": {"learner": 1}},
+                                           {"num_cpus": 1, "resources": {"rollout": 1}}])
+  try:
+    assert host_weights.use_shared_memory("rollout")
+    assert host_weights.use_shared_memory(None)
+    assert not host_weights.use_shared_memory("no_such_resource")
+  finally:
+    placement.stop_local_cluster(cluster)

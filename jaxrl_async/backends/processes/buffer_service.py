@@ -59,9 +59,9 @@ class _Client:
 
 
 class BufferService:
-  """Serves `buffer` on 127.0.0.1 (a random port, a random key) until `stop`."""
+  """Serves `buffer` on 127.0.0.1 (or `host`; a random port, a random key) until `stop`."""
 
-  def __init__(self, buffer: VersionedBuffer):
+  def __init__(self, buffer: VersionedBuffer, *, host: str = wire.HOST):
     self.buffer = buffer
     self.local = LocalBufferClient(buffer)
     self.authkey = os.urandom(16)
@@ -71,7 +71,7 @@ class BufferService:
     # the group ids handed from a revoked client to its successor (for the run's ledger).
     self.started: dict[int, int] = {}
     self.reissued: list[int] = []
-    self._server = wire.Server(self._open, self.authkey, name="buffer-service")
+    self._server = wire.Server(self._open, self.authkey, name="buffer-service", host=host)
     self.address = self._server.address
 
   def start(self) -> BufferService:

@@ -209,18 +209,20 @@ def serve_connection(conn, handler, stop: threading.Event) -> None:
 
 
 class Server:
-  """Accepts authenticated connections on 127.0.0.1 and serves each in its own named thread.
+  """Accepts authenticated connections on `host` (127.0.0.1 unless another interface is named:
+  a Ray driver serves actors of other hosts on its node's address) and serves each in its own
+  named thread.
 
   `open_handler(conn)` makes the handler of a new connection: a callable
   `(method, args, kwargs) -> value`, or None to refuse the connection.
   """
 
   def __init__(self, open_handler: Callable[[Any], Callable | None], authkey: bytes, *,
-               name: str = "service"):
+               name: str = "service", host: str = HOST):
     self.name = name
     self.authkey = authkey
     self._open_handler = open_handler
-    self._listener = mp_connection.Listener((HOST, 0), authkey=authkey)
+    self._listener = mp_connection.Listener((host, 0), authkey=authkey)
     self.address = self._listener.address
     self._stop = threading.Event()
     self._threads: list[threading.Thread] = []

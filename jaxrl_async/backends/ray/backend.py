@@ -1,20 +1,23 @@
 """The 'ray' backend's run: the learner in the driver, rollout servers as Ray actors.
 
 The driver (on the node that starts the run; in a cluster the head, offering the 'learner'
-resource) runs the controller and the learner role, as the processes backend does. Ray places
-the buffer actor and the weight store beside it (resource `RunConfig.ray_learner_resource`)
-and `num_rollout_servers` rollout actors on the nodes that offer the rollout resource
-(`RunConfig.ray_rollout_resource`), each asking for `ray_rollout_cpus` CPUs and
-`ray_rollout_gpus` GPUs. Each actor owns a `RolloutServer` (its engine, reward pool and prompt
-shard) reached through `RayBufferClient` and a weight channel: `RayWeightChannel` (Ray's object
-store) with `sync_backend='device'`, or with 'store' the weight store in <run_dir>/weights
-(sync/store_channel.py), which every node must see (a shared file system).
+resource) runs the controller and the learner role, as the processes backend does, and by
+default the run's buffer (`RunConfig.ray_buffer = 'driver'`: served to the actors over the
+buffer service's socket transport, `hosted.py`; 'actor': a buffer actor beside the driver,
+resource `RunConfig.ray_learner_resource`). Ray places `num_rollout_servers` rollout actors on
+the nodes that offer the rollout resource (`RunConfig.ray_rollout_resource`), each asking for
+`ray_rollout_cpus` CPUs and `ray_rollout_gpus` GPUs. Each actor owns a `RolloutServer` (its
+engine, reward pool and prompt shard) reached through a `links` link's buffer client and a
+weight channel (`weight_channels`): with `sync_backend='device'` the driver's shared memory
+when every rollout node is on the driver's host (`host_weights.py`), else Ray's object store
+(`RayWeightChannel` and a weight store actor); with 'store' the weight store in
+<run_dir>/weights (sync/store_channel.py), which every node must see (a shared file system).
 
 Faults: Ray restarts a killed actor (`max_restarts`); the new incarnation takes over the groups
-its predecessor left unfinished from the buffer actor (`claim`: revoke the old client, register
-a new one), continues its prompt shard, and re-issues each of those groups exactly once,
-counted under `runtime/reissued_groups/actor_restarted` (and `.../server_unresponsive` when the
-driver's heartbeat killed a silent actor).
+its predecessor left unfinished from the claim book beside the buffer (`claims.ClaimBook.claim`:
+revoke the old client, register a new one), continues its prompt shard, and re-issues each of
+those groups exactly once, counted under `runtime/reissued_groups/actor_restarted` (and
+`.../server_unresponsive` when the driver's heartbeat killed a silent actor).
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ from typing import Any
 from jaxrl_async.backends.base import (
   Backend,
   Connection,
-  ControllerBuffer,
   Fleet,
   RoleFailed,
   keep_spans,
@@ -38,10 +40,13 @@ from jaxrl_async.backends.base import (
 )
 from jaxrl_async.backends.processes.backend import make_channel, refuse_rollout_mesh
 from jaxrl_async.backends.ray import buffer as ray_buffer
+from jaxrl_async.backends.ray import host_weights
 from jaxrl_async.backends.ray import placement as ray_backend
 from jaxrl_async.backends.ray import weights as ray_weights
 from jaxrl_async.backends.ray.actor import RESTART_WAIT_S, RolloutActorImpl
-from jaxrl_async.backends.ray.buffer import RayBufferClient
+from jaxrl_async.backends.ray.buffer import DriverBuffer
+from jaxrl_async.backends.ray.hosted import HostedBuffer
+from jaxrl_async.backends.ray.links import as_link
 from jaxrl_async.backends.ray.placement import require_ray
 from jaxrl_async.backends.ray.weights import RayWeightChannel
 from jaxrl_async.config import RunConfig
@@ -61,12 +66,15 @@ class RayFleet(Fleet):
   """The rollout actors seen from the driver. Ray restarts a killed actor; the heartbeat kills
   a silent one."""
 
-  def __init__(self, config, buffer_actor, channel_spec: dict, *,
+  def __init__(self, config, buffer, channel_spec: dict, *, book=None,
                status_path: str | None = None, log=print):
+    """`buffer`: what the actors reach the buffer by (a `links` link, or the buffer actor's
+    handle); `book`: the restarts' bookkeeping as the driver calls it (None: `buffer`'s)."""
     super().__init__(config.num_rollout_servers, log=log)
     self.ray = require_ray()
     self.config = config
-    self.buffer_actor = buffer_actor
+    self.buffer = buffer
+    self.book = as_link(buffer) if book is None else book
     self.channel_spec = channel_spec  # how the actors reach the weights (`weight_channels`)
     self.status_path = status_path
     self.heartbeat_timeout_s = config.heartbeat_timeout_s
@@ -81,11 +89,11 @@ class RayFleet(Fleet):
 
   @property
   def restarts(self) -> int:
-    return int(self._get(self.buffer_actor.restarts.remote()))
+    return int(self.book.restarts())
 
   @property
   def counts(self) -> dict[str, int]:
-    return {**self._get(self.buffer_actor.reissue_counts.remote()),
+    return {**self.book.reissue_counts(),
             "sync/load_deadline_missed": self._load_deadline_missed}
 
   def _get(self, ref, timeout: float = 60.0):
@@ -105,7 +113,7 @@ class RayFleet(Fleet):
           num_gpus=cfg.ray_rollout_gpus, max_restarts=MAX_RESTARTS, max_concurrency=4,
           env=ray_backend.thread_env(max(1, int(cfg.ray_rollout_cpus))))
       # The constructor's arguments stay referenced here: Ray needs them to restart the actor.
-      args = [self.ray.put(cfg), index, self.num_servers, self.buffer_actor, self.channel_spec]
+      args = [self.ray.put(cfg), index, self.num_servers, self.buffer, self.channel_spec]
       self._constructor_args.append(args)
       self.actors[index] = cls.options(**options).remote(*args)
 
@@ -113,7 +121,7 @@ class RayFleet(Fleet):
     if len(restores) != self.num_servers:
       raise ValueError(f"{len(restores)} restores for {self.num_servers} rollout servers")
     self.launch()
-    self._get(self.buffer_actor.set_restores.remote(list(restores)))
+    self.book.set_restores(list(restores))
     self._started = True
     for index in range(self.num_servers):
       self._call(index, "start", RESTART_WAIT_S)
@@ -158,12 +166,12 @@ class RayFleet(Fleet):
                                    f"{RESTART_WAIT_S:.0f} s: {error!r}") from error
         if isinstance(error, self.ray.exceptions.RayActorError):
           continue  # died: Ray restarts it (past max_restarts this persists and fails above)
-        if self._get(self.buffer_actor.constructing.remote(index)):
+        if self.book.constructing(index):
           self._last_answer[index] = now
         elif now - self._last_answer[index] > self.silence_limit_s:
           self.log(f"rollout actor {index} silent for {self.silence_limit_s:.0f} s: killed, "
                    "Ray restarts it")
-          self._get(self.buffer_actor.note_unresponsive.remote(index))
+          self.book.note_unresponsive(index)
           self.ray.kill(actor, no_restart=False)
           self._last_answer[index] = now
         continue
@@ -197,7 +205,7 @@ class RayFleet(Fleet):
     self.log(f"rollout actor {index} {why}: killed, Ray restarts it")
     if deadline:
       self._load_deadline_missed += 1
-    self._get(self.buffer_actor.note_unresponsive.remote(index))
+    self.book.note_unresponsive(index)
     self.ray.kill(self.actors[index], no_restart=False)
 
   def _each(self, method: str, timeout: float) -> list[Any]:
@@ -276,56 +284,19 @@ class RayFleet(Fleet):
         self.log(f"rollout_servers.json not updated at the stop: {error!r}")
 
 
-class DriverBuffer(ControllerBuffer):
-  """The buffer actor as the driver's controller and learner use it."""
-
-  def __init__(self, actor):
-    self.ray = require_ray()
-    self.actor = actor
-    self.client = RayBufferClient(actor, "learner")
-
-  def get_groups(self, num_groups, learner_version, timeout):
-    return self.client.get_groups(num_groups, learner_version, timeout)
-
-  @property
-  def counts(self):
-    return self.client.counts()
-
-  def get_state(self):
-    return self.client.get_state()
-
-  def set_state(self, state):
-    self.client.set_state(state)
-
-  def metrics(self):
-    return self.client.metrics()
-
-  def close(self):
-    self.client.close()
-
-  def take_drop_log(self) -> list:
-    """The buffer actor's per-sample drops since the last call, for the sample ledger."""
-    return self.ray.get(self.actor.take_drop_log.remote(), timeout=60.0)
-
-  def discard_queued(self, reason: str = "shutdown") -> int:
-    return self.ray.get(self.actor.discard_queued.remote(reason), timeout=60.0)
-
-  def check_invariants(self) -> None:
-    self.ray.get(self.actor.check_invariants.remote(), timeout=60.0)
-
-  def set_staleness_threshold(self, staleness_threshold, from_version) -> dict:
-    return self.ray.get(self.actor.set_staleness_threshold.remote(staleness_threshold,
-                                                                  from_version), timeout=60.0)
-
-
-def weight_channels(parts: Parts, run_dir, store) -> tuple[Any, dict]:
-  """(the learner's end, how the rollout actors open theirs), by `RunConfig.sync_backend`:
-  'device' through Ray's object store (`store`, the weight store actor); 'store' through the
-  weight store in <run_dir>/weights, a directory every node must see (a shared file system)."""
-  if parts.config.sync_backend == "store":
-    return make_channel(parts, run_dir)
+def weight_channels(parts: Parts, run_dir, learner_place: dict) -> tuple[Any, dict, Any]:
+  """(the learner's end, how the rollout actors open theirs: `host_weights.open_actor_channel`,
+  the weight store actor or None), by `RunConfig.sync_backend`: 'device' through shared memory
+  when every node that may host a rollout actor is on the driver's host (`host_weights`), else
+  through Ray's object store (a weight store actor placed by `learner_place`); 'store' through
+  the weight store in <run_dir>/weights, a directory every node must see (a shared file
+  system)."""
+  cfg = parts.config
+  if cfg.sync_backend == "store" or host_weights.use_shared_memory(cfg.ray_rollout_resource):
+    return (*make_channel(parts, run_dir), None)
+  store = ray_weights.start_weight_store(**learner_place)
   return (RayWeightChannel(store, parts.learner.spec.logical_axes),
-          {"kind": "ray", "store": store})
+          {"kind": "ray", "store": store}, store)
 
 
 def await_started(first_calls: dict[str, Any], timeout_s: float = RESTART_WAIT_S) -> None:
@@ -362,21 +333,43 @@ class RayBackend(Backend):
       ray.init(address=address, log_to_driver=False, **extra)
     cfg = parts.config
     learner_place = {"node_resource": cfg.ray_learner_resource}
-    buffer_actor = ray_buffer.start_buffer_actor(buffer_kwargs(cfg), **learner_place)
-    store = ray_weights.start_weight_store(**learner_place)
-    channel, channel_spec = weight_channels(parts, run_dir, store)
-    fleet = RayFleet(cfg, buffer_actor, channel_spec,
-                     status_path=os.path.join(run_dir, "rollout_servers.json"), log=log)
-    try:
-      fleet.launch()  # the rollout actors start meanwhile
-      await_started({"buffer": buffer_actor.node_id, "weight store": store.latest})
-      yield Connection(buffer=DriverBuffer(buffer_actor), channel=channel, fleet=fleet,
-                       started_groups=lambda: ray.get(buffer_actor.ledger.remote(),
-                                                      timeout=60.0))
-    finally:
+    with buffer_side(cfg, learner_place) as (buffer, book, driver_buffer, ledger, first_calls):
+      channel, channel_spec, store = weight_channels(parts, run_dir, learner_place)
+      fleet = RayFleet(cfg, buffer, channel_spec, book=book,
+                       status_path=os.path.join(run_dir, "rollout_servers.json"), log=log)
       try:
-        fleet.stop()
+        fleet.launch()  # the rollout actors start meanwhile
+        await_started({**first_calls,
+                       **({} if store is None else {"weight store": store.latest})})
+        yield Connection(buffer=driver_buffer, channel=channel, fleet=fleet,
+                         started_groups=ledger)
       finally:
-        channel.close()
-        for actor in (buffer_actor, store):
-          ray.kill(actor, no_restart=True)
+        try:
+          fleet.stop()
+        finally:
+          channel.close()
+          if store is not None:
+            ray.kill(store, no_restart=True)
+
+
+@contextmanager
+def buffer_side(cfg: RunConfig, learner_place: dict):
+  """The run's buffer where `RunConfig.ray_buffer` puts it, as (what the rollout actors reach
+  it by, the claim book as the fleet calls it, the buffer as the learner uses it, the started
+  groups' ledger, first calls to await): 'driver' serves it from this process on the address of
+  its Ray node (`hosted.HostedBuffer`); 'actor' keeps it in a buffer actor on a node offering
+  `ray_learner_resource`."""
+  ray = require_ray()
+  if cfg.ray_buffer == "driver":
+    hosted = HostedBuffer(buffer_kwargs(cfg), host=ray.util.get_node_ip_address())
+    try:
+      yield (hosted.link(), hosted, hosted.buffer, hosted.service.started_groups, {})
+    finally:
+      hosted.stop()
+    return
+  actor = ray_buffer.start_buffer_actor(buffer_kwargs(cfg), **learner_place)
+  try:
+    yield (actor, None, DriverBuffer(actor),
+           lambda: ray.get(actor.ledger.remote(), timeout=60.0), {"buffer": actor.node_id})
+  finally:
+    ray.kill(actor, no_restart=True)

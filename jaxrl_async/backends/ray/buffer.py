@@ -9,11 +9,12 @@ it with one Ray call per batch, from any process of the cluster.
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
+from jaxrl_async.backends.base import ControllerBuffer
 from jaxrl_async.backends.processes.buffer_service import ForwardingBufferClient
+from jaxrl_async.backends.ray.claims import ClaimBook
 from jaxrl_async.backends.ray.placement import (
   ACTOR_CONCURRENCY,
   RPC_MARGIN_S,
@@ -22,102 +23,18 @@ from jaxrl_async.backends.ray.placement import (
 )
 
 ACQUIRE_BACKOFF_S = 0.01  # after no admission, zero-wait asks wait this long for a new call
-REVOKE_TIMEOUT_S = 120.0  # a dead client's calls still running in the buffer actor end by then
 
 
-class BufferActorImpl:
-  """The run's buffer behind the buffer service's per-client bookkeeping, as a Ray actor body
-  (`buffer_actor_class` makes the actor class)."""
+class BufferActorImpl(ClaimBook):
+  """The run's buffer behind the buffer service's per-client bookkeeping and the restarts'
+  `ClaimBook`, as a Ray actor body (`buffer_actor_class` makes the actor class)."""
 
   def __init__(self, buffer_kwargs: dict[str, Any]):
     from jaxrl_async.backends.processes.buffer_service import BufferService
     from jaxrl_async.buffer import VersionedBuffer
 
-    self.group_size = int(buffer_kwargs["group_size"])
-    self.service = BufferService(VersionedBuffer(**buffer_kwargs, record_drops=True))
-    self._claims = threading.Lock()
-    self._client_ids: dict[int, str] = {}  # rollout server index -> its live client id
-    self._generation: dict[int, int] = {}
-    self._initial: dict[int, dict] = {}  # where each server's shard started
-    self._unresponsive: set[int] = set()
-    self._constructing: set[int] = set()  # servers between claim and ready
-    self._restarts = 0
-    self._restores_given = threading.Event()
-    self._restores: list = []  # where each server starts, handed over by the driver's start
-    self._reissue_counts = {f"runtime/reissued_{kind}/{reason}": 0
-                            for kind in ("groups", "samples")
-                            for reason in ("actor_restarted", "server_unresponsive")}
-
-  # ---- rollout servers: a new incarnation takes over its predecessor's work ----------------
-  def claim(self, index: int, restore: dict | None, restarted: bool) -> dict[str, Any]:
-    """A client id for rollout server `index` and what it starts from: `restore` (a
-    checkpoint's snapshot, or None) on its first start; after a restart, the groups its
-    predecessor left unfinished (revoked from the dead client, counted) and its prompt shard."""
-    from jaxrl_async.backends.rollout_server import first_start
-
-    with self._claims:
-      self._generation[index] = self._generation.get(index, 0) + 1
-      client_id = f"rollout-{index}-{self._generation[index]}"
-      previous = self._client_ids.get(index)
-      if restarted and previous is not None:
-        reason = "server_unresponsive" if index in self._unresponsive else "actor_restarted"
-        self._unresponsive.discard(index)
-        orphan = self.service.revoke(previous, REVOKE_TIMEOUT_S)
-        inflight = orphan["inflight"]
-        self._reissue_counts[f"runtime/reissued_groups/{reason}"] += len(inflight)
-        self._reissue_counts[f"runtime/reissued_samples/{reason}"] += sum(
-            len(entry["missing"]) for entry in inflight)
-        self._restarts += 1
-        initial = self._initial[index]
-        restore = {"rollout": {"inflight": inflight, "next_group_id": (
-            orphan["next_group_id"] if orphan["next_group_id"] is not None
-            else initial["next_group_id"])},
-                   "prompts": (orphan["prompt_state"] if orphan["prompt_state"] is not None
-                               else initial["prompts"])}
-      else:
-        restore, self._initial[index] = first_start(restore, index)
-      rollout = restore["rollout"]
-      holding = [entry for entry in rollout.get("inflight", [])
-                 if entry.get("admitted") or entry["missing"] != list(range(self.group_size))]
-      self.service.register(client_id, inflight=holding, prompt_state=restore.get("prompts"),
-                            next_group_id=rollout.get("next_group_id"))
-      self._client_ids[index] = client_id
-      self._constructing.add(index)
-      return {"client_id": client_id, "restore": restore}
-
-  def set_restores(self, restores: list) -> None:
-    """The driver's fleet starts: what each rollout server starts from (a checkpoint's
-    snapshot, or None)."""
-    self._restores = list(restores)
-    self._restores_given.set()
-
-  def restore_for(self, index: int, wait_s: float) -> tuple[bool, Any]:
-    """(given, restore) of rollout server `index`, waiting at most `wait_s` for the driver."""
-    if not self._restores_given.wait(wait_s):
-      return False, None
-    return True, self._restores[index]
-
-  def ready(self, index: int) -> None:
-    """Server `index` has finished starting (its constructor ran to the end)."""
-    with self._claims:
-      self._constructing.discard(index)
-
-  def constructing(self, index: int) -> bool:
-    with self._claims:
-      return index in self._constructing
-
-  def note_unresponsive(self, index: int) -> None:
-    """The driver is about to kill server `index` for silence: its successor counts why."""
-    with self._claims:
-      self._unresponsive.add(index)
-
-  def restarts(self) -> int:
-    with self._claims:
-      return self._restarts
-
-  def reissue_counts(self) -> dict[str, int]:
-    with self._claims:
-      return dict(self._reissue_counts)
+    service = BufferService(VersionedBuffer(**buffer_kwargs, record_drops=True))
+    super().__init__(service, int(buffer_kwargs["group_size"]))
 
   def ledger(self) -> dict[str, Any]:
     """Every group a server started (group id -> prompt id) and the ones re-issued."""
@@ -220,3 +137,43 @@ class RayBufferClient(ForwardingBufferClient):
     super().publish_version(version)
 
 
+class DriverBuffer(ControllerBuffer):
+  """The buffer actor as the driver's controller and learner use it."""
+
+  def __init__(self, actor):
+    self.ray = require_ray()
+    self.actor = actor
+    self.client = RayBufferClient(actor, "learner")
+
+  def get_groups(self, num_groups, learner_version, timeout):
+    return self.client.get_groups(num_groups, learner_version, timeout)
+
+  @property
+  def counts(self):
+    return self.client.counts()
+
+  def get_state(self):
+    return self.client.get_state()
+
+  def set_state(self, state):
+    self.client.set_state(state)
+
+  def metrics(self):
+    return self.client.metrics()
+
+  def close(self):
+    self.client.close()
+
+  def take_drop_log(self) -> list:
+    """The buffer actor's per-sample drops since the last call, for the sample ledger."""
+    return self.ray.get(self.actor.take_drop_log.remote(), timeout=60.0)
+
+  def discard_queued(self, reason: str = "shutdown") -> int:
+    return self.ray.get(self.actor.discard_queued.remote(reason), timeout=60.0)
+
+  def check_invariants(self) -> None:
+    self.ray.get(self.actor.check_invariants.remote(), timeout=60.0)
+
+  def set_staleness_threshold(self, staleness_threshold, from_version) -> dict:
+    return self.ray.get(self.actor.set_staleness_threshold.remote(staleness_threshold,
+                                                                  from_version), timeout=60.0)

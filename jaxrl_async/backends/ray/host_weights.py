@@ -15,7 +15,10 @@ from __future__ import annotations
 
 from multiprocessing import resource_tracker
 
+from jaxrl_async.backends.processes.rollout_process import open_rollout_channel
 from jaxrl_async.backends.ray.placement import require_ray
+from jaxrl_async.backends.ray.weights import RayWeightChannel
+from jaxrl_async.run.build import model_spec
 from jaxrl_async.sync.shm_channel import SharedMemoryWeightChannel
 
 
@@ -58,3 +61,14 @@ def attach(location: str, abstract_params) -> SharedMemoryWeightChannel:
                        "actor on another host than the driver's cannot attach to it") from error
   resource_tracker.unregister(f"/{channel.name}", "shared_memory")
   return channel
+
+
+def open_actor_channel(spec: dict, config):
+  """A rollout actor's end of the run's weight channel, by `spec['kind']`: 'ray' (the object
+  store, through the weight store actor `spec['store']`), 'shm' (the driver's shared memory on
+  this host, `attach`) or 'store' (the weight store directory)."""
+  if spec["kind"] == "ray":
+    return RayWeightChannel(spec["store"])
+  if spec["kind"] == "shm":
+    return attach(spec["location"], model_spec(config).abstract_params)
+  return open_rollout_channel(spec, config)

@@ -2,13 +2,14 @@
 
 Ray places and restarts the roles (actors) across hosts, and the roles keep the same narrow
 interfaces as on the other backends:
-- `ray_buffer.py`: the buffer actor holds the run's `VersionedBuffer` behind the buffer
-  service's bookkeeping (`buffer_service.BufferService`: per-client groups in flight, `revoke`
-  for a dead client); `RayBufferClient` is the `BufferClient` that reaches it with Ray calls
-  (one call per batch).
-- `ray_weights.py`: the weight store actor keeps the newest published version as an object in
-  Ray's object store; `RayWeightChannel` publishes host copies of the params there and fetches
-  them onto the caller's devices (its rollout mesh's shardings), on any node.
+- `hosted.py` (the default) serves the run's `VersionedBuffer` from the driver's process over
+  the buffer service's socket transport, with the restarts' bookkeeping (`claims.py`) beside
+  it; `buffer.py`'s buffer actor holds the same behind Ray calls (`RayBufferClient`, one call
+  per batch); `links.py` is how a rollout actor reaches either.
+- `host_weights.py`: the driver's shared-memory weight channel for actors on its host;
+  `weights.py`: elsewhere, the weight store actor keeps the newest published version as an
+  object in Ray's object store, and `RayWeightChannel` publishes host copies of the params
+  there and fetches them onto the caller's devices (its rollout mesh's shardings), on any node.
 - here: `role_options` turns a role's placement (a node's custom resource, CPUs, GPUs) into
   Ray actor options, with `max_restarts` so that Ray restarts a killed actor; `thread_env`
   sets a role process's thread counts; `start_local_cluster` makes a cluster of several nodes

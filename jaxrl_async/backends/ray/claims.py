@@ -1,0 +1,112 @@
+"""What Ray restarts need beside the run's buffer service: who holds each rollout server's work.
+
+`ClaimBook` sits beside a `BufferService` (in the buffer actor, or in the driver beside the
+buffer it serves) and keeps, per rollout server index, the client id of its live incarnation:
+a new incarnation `claim`s its predecessor's unfinished groups (revoked from the dead client)
+and prompt shard, and the re-issues are counted by reason. The driver hands each server's
+restore over with `set_restores`; a server that is between its claim and the end of its
+constructor is `constructing` (the heartbeat does not count its silence).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+REVOKE_TIMEOUT_S = 120.0  # a dead client's calls still running in the service end by then
+REISSUE_REASONS = ("actor_restarted", "server_unresponsive")
+
+
+class ClaimBook:
+  """Per rollout server: its live client id, where its shard started, and why it restarted."""
+
+  def __init__(self, service, group_size: int):
+    self.service = service  # the BufferService whose clients are claimed
+    self.group_size = int(group_size)
+    self._claims = threading.Lock()
+    self._client_ids: dict[int, str] = {}  # rollout server index -> its live client id
+    self._generation: dict[int, int] = {}
+    self._initial: dict[int, dict] = {}  # where each server's shard started
+    self._unresponsive: set[int] = set()
+    self._constructing: set[int] = set()  # servers between claim and ready
+    self._restarts = 0
+    self._restores_given = threading.Event()
+    self._restores: list = []  # where each server starts, handed over by the driver's start
+    self._reissue_counts = {f"runtime/reissued_{kind}/{reason}": 0
+                            for kind in ("groups", "samples") for reason in REISSUE_REASONS}
+
+  def claim(self, index: int, restore: dict | None, restarted: bool) -> dict[str, Any]:
+    """A client id for rollout server `index` and what it starts from: `restore` (a
+    checkpoint's snapshot, or None) on its first start; after a restart, the groups its
+    predecessor left unfinished (revoked from the dead client, counted) and its prompt shard."""
+    from jaxrl_async.backends.rollout_server import first_start
+
+    with self._claims:
+      self._generation[index] = self._generation.get(index, 0) + 1
+      client_id = f"rollout-{index}-{self._generation[index]}"
+      previous = self._client_ids.get(index)
+      if restarted and previous is not None:
+        restore = self._take_over(index, previous)
+      else:
+        restore, self._initial[index] = first_start(restore, index)
+      rollout = restore["rollout"]
+      holding = [entry for entry in rollout.get("inflight", [])
+                 if entry.get("admitted") or entry["missing"] != list(range(self.group_size))]
+      self.service.register(client_id, inflight=holding, prompt_state=restore.get("prompts"),
+                            next_group_id=rollout.get("next_group_id"))
+      self._client_ids[index] = client_id
+      self._constructing.add(index)
+      return {"client_id": client_id, "restore": restore}
+
+  def _take_over(self, index: int, previous: str) -> dict[str, Any]:
+    """The restore of server `index`'s new incarnation: the dead client's unfinished groups
+    and prompt position (revoked, counted by why it restarted)."""
+    reason = "server_unresponsive" if index in self._unresponsive else "actor_restarted"
+    self._unresponsive.discard(index)
+    orphan = self.service.revoke(previous, REVOKE_TIMEOUT_S)
+    inflight = orphan["inflight"]
+    self._reissue_counts[f"runtime/reissued_groups/{reason}"] += len(inflight)
+    self._reissue_counts[f"runtime/reissued_samples/{reason}"] += sum(
+        len(entry["missing"]) for entry in inflight)
+    self._restarts += 1
+    initial = self._initial[index]
+    next_group_id = (orphan["next_group_id"] if orphan["next_group_id"] is not None
+                     else initial["next_group_id"])
+    prompts = (orphan["prompt_state"] if orphan["prompt_state"] is not None
+               else initial["prompts"])
+    return {"rollout": {"inflight": inflight, "next_group_id": next_group_id},
+            "prompts": prompts}
+
+  def set_restores(self, restores: list) -> None:
+    """The driver's fleet starts: what each rollout server starts from (a checkpoint's
+    snapshot, or None)."""
+    self._restores = list(restores)
+    self._restores_given.set()
+
+  def restore_for(self, index: int, wait_s: float) -> tuple[bool, Any]:
+    """(given, restore) of rollout server `index`, waiting at most `wait_s` for the driver."""
+    if not self._restores_given.wait(wait_s):
+      return False, None
+    return True, self._restores[index]
+
+  def ready(self, index: int) -> None:
+    """Server `index` has finished starting (its constructor ran to the end)."""
+    with self._claims:
+      self._constructing.discard(index)
+
+  def constructing(self, index: int) -> bool:
+    with self._claims:
+      return index in self._constructing
+
+  def note_unresponsive(self, index: int) -> None:
+    """The driver is about to kill server `index` for silence: its successor counts why."""
+    with self._claims:
+      self._unresponsive.add(index)
+
+  def restarts(self) -> int:
+    with self._claims:
+      return self._restarts
+
+  def reissue_counts(self) -> dict[str, int]:
+    with self._claims:
+      return dict(self._reissue_counts)
