@@ -4,6 +4,8 @@ K rollout servers in spawned child processes beside it, each on its own share of
 Samples come in over the buffer service (one call per batch), weights go out over shared
 memory (`sync_backend='device'`) or the weight store (`'store'`, sync/store_channel.py). A server that dies or stops
 answering is replaced by the fleet (`fleet.py`), its unfinished groups re-issued exactly once.
+Servers are added and retired during the run through `<run_dir>/fleet_control`
+(`fleet_control.py`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from jaxrl_async.backends.base import Backend, Connection
-from jaxrl_async.backends.processes import child
+from jaxrl_async.backends.processes import child, fleet_control
 from jaxrl_async.backends.processes.buffer_service import BufferService
 from jaxrl_async.backends.processes.fleet import ProcessFleet
 from jaxrl_async.backends.processes.rollout_process import PROCESS_CHANNELS
@@ -64,7 +66,9 @@ class ProcessesBackend(Backend):
     _, server_cores = child.core_shares(cfg.num_rollout_servers)
     fleet = ProcessFleet(cfg, service, channel_spec, cores=server_cores,
                          heartbeat_timeout_s=cfg.heartbeat_timeout_s,
-                         status_path=os.path.join(run_dir, "rollout_servers.json"), log=log)
+                         status_path=os.path.join(run_dir, "rollout_servers.json"),
+                         control_path=os.path.join(run_dir, fleet_control.CONTROL_FILE),
+                         log=log)
     try:
       yield Connection(buffer=buffer, channel=channel, fleet=fleet,
                        started_groups=service.started_groups)

@@ -9,6 +9,15 @@ prompt shard and re-issues its unfinished groups, each exactly once: they are co
 'server_died', 'server_unresponsive', 'load_deadline': still loading a weight version after
 `RunConfig.sync_load_deadline_s`, counted `sync/load_deadline_missed`). A server that reports an
 error of its own role stops the run with that error: restarting it would only repeat it.
+
+The fleet is elastic: `reshape` (asked by `<run_dir>/fleet_control`, `fleet_control.py`, read
+at the heartbeat) adds servers and retires some. Every server pauses at a decode-step boundary
+(every rewarded sample in the buffer), answers a last health (its counts and drops are kept), is
+killed and its buffer client revoked; the prompts none of them drew and their unfinished groups
+are re-dealt to the new fleet (`backends.fleet_shape`), each group re-issued exactly once
+(`runtime/reissued_groups/server_retired` for a retired server's, `.../fleet_resized` for the
+others'), and new group ids start above every id drawn so far. Metrics: `fleet/size`,
+`fleet/adds`, `fleet/retires`.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import json
 import os
 from typing import Any
 
+from jaxrl_async.backends import fleet_shape
 from jaxrl_async.backends.base import (
   Fleet,
   RoleFailed,
@@ -25,12 +35,13 @@ from jaxrl_async.backends.base import (
   load_overdue,
   warn_unscored,
 )
-from jaxrl_async.backends.processes import wire
+from jaxrl_async.backends.processes import child, fleet_control, wire
 from jaxrl_async.backends.processes.buffer_service import BufferService, RemoteBufferClient
 from jaxrl_async.backends.processes.rollout_process import RolloutProcess
 from jaxrl_async.backends.rollout_server import first_start
 
-REISSUE_REASONS = ("server_died", "server_unresponsive", "load_deadline")
+REISSUE_REASONS = ("server_died", "server_unresponsive", "load_deadline", "server_retired",
+                   "fleet_resized")
 REVOKE_TIMEOUT_S = 120.0
 SPAWN_TIMEOUT_S = 600.0
 
@@ -44,7 +55,7 @@ class ProcessFleet(Fleet):
 
   def __init__(self, config, service: BufferService, channel_spec: dict, *,
                cores: list[list[int]], heartbeat_timeout_s: float, max_restarts: int = 8,
-               status_path: str | None = None, log=print):
+               status_path: str | None = None, control_path: str | None = None, log=print):
     super().__init__(len(cores), log=log)
     self.config = config
     self.service = service
@@ -53,6 +64,8 @@ class ProcessFleet(Fleet):
     self.heartbeat_timeout_s = heartbeat_timeout_s
     self.max_restarts = max_restarts
     self.status_path = status_path  # JSON: each server's pid, cores and client id
+    self.control_path = control_path  # fleet_control.py: 'add' / 'retire K' lines
+    self._retired_drops: list = []  # drops of servers that left at a reshape
     self.servers: list[RolloutProcess | None] = [None] * self.num_servers
     self.client_ids: list[str] = [""] * self.num_servers
     self._generation = [0] * self.num_servers
@@ -64,6 +77,8 @@ class ProcessFleet(Fleet):
       self._counts[f"runtime/reissued_groups/{reason}"] = 0
       self._counts[f"runtime/reissued_samples/{reason}"] = 0
     self._counts["sync/load_deadline_missed"] = 0
+    self._counts["fleet/adds"] = 0
+    self._counts["fleet/retires"] = 0
     # Children die with the thread that spawned them (child.py): one thread spawns them all and
     # lives until `stop`, whichever thread asks for a replacement.
     self._spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fleet-spawner")
@@ -94,6 +109,7 @@ class ProcessFleet(Fleet):
                           next_group_id=rollout.get("next_group_id"))
     buffer = RemoteBufferClient(self.service.address, self.service.authkey, client_id)
     spec = {"config": self.config, "server_index": index, "num_servers": self.num_servers,
+            # the fleet's size, not the config's: group ids advance by it (fleet_shape)
             "buffer": buffer, "channel": self.channel_spec, "restore": restore}
     server = self._spawner.submit(RolloutProcess, spec, cores=self.cores[index],
                                   name=f"rollout-server-{index}").result(SPAWN_TIMEOUT_S)
@@ -126,9 +142,7 @@ class ProcessFleet(Fleet):
       self.retire(index)
       orphan = self.service.revoke(self.client_ids[index], REVOKE_TIMEOUT_S)
       inflight = orphan["inflight"]
-      self._counts[f"runtime/reissued_groups/{reason}"] += len(inflight)
-      self._counts[f"runtime/reissued_samples/{reason}"] += sum(len(e["missing"])
-                                                              for e in inflight)
+      self._count_reissued(reason, inflight)
       initial = self._initial[index]
       prompts = orphan["prompt_state"] if orphan["prompt_state"] is not None else (
           initial["prompts"])
@@ -140,7 +154,90 @@ class ProcessFleet(Fleet):
                           "prompts": prompts})
 
   def check(self) -> None:
-    """One heartbeat over every server; replaces the dead and the silent."""
+    """One heartbeat over every server; replaces the dead and the silent, then applies the
+    control file's commands."""
+    with self._lock:
+      self._check_servers()
+      self._apply_control()
+
+  def _apply_control(self) -> None:
+    text = None if self.control_path is None else fleet_control.take(self.control_path)
+    if text is None:
+      return
+    adds, retires, problems = fleet_control.parse(text, self.num_servers)
+    for problem in problems:
+      self.log(f"{fleet_control.CONTROL_FILE}: ignored {problem}")
+    if adds or retires:
+      self.reshape(adds, retires)
+
+  def reshape(self, adds: int, retires: list[int]) -> None:
+    """Adds `adds` servers and retires servers `retires` (module docstring)."""
+    with self._lock:
+      count = self.num_servers + adds - len(retires)
+      if count < 1:
+        raise ValueError(f"reshape: retiring {retires} would leave no rollout server")
+      self._each("pause", max(3 * self.heartbeat_timeout_s, 30.0))
+      nexts, servers = [], []
+      for index in range(self.num_servers):
+        orphan = self._take_down(index)
+        reason = "server_retired" if index in retires else "fleet_resized"
+        self._count_reissued(reason, orphan["inflight"])
+        initial = self._initial[index]
+        nexts.append(orphan["next_group_id"] if orphan["next_group_id"] is not None
+                     else initial["next_group_id"])
+        servers.append({"rollout": {"inflight": orphan["inflight"]},
+                        "prompts": (orphan["prompt_state"] if orphan["prompt_state"] is not None
+                                    else initial["prompts"])})
+      self.closed_segments = fleet_shape.close(self.closed_segments, self.group_starts, nexts)
+      base = fleet_shape.id_base(self.closed_segments)
+      restores = fleet_shape.redeal(servers, count, base)
+      self._counts["fleet/adds"] += adds
+      self._counts["fleet/retires"] += len(retires)
+      self.log(f"rollout fleet: {self.num_servers} -> {count} servers (added {adds}, retired "
+               f"{sorted(retires)}); {sum(len(s['rollout']['inflight']) for s in servers)} "
+               "groups re-issued")
+      self._resize(count)
+      self.group_starts = [base + k for k in range(count)]
+      for index, restore in enumerate(restores):
+        self._initial[index] = {"prompts": restore["prompts"],
+                                "next_group_id": restore["rollout"]["next_group_id"]}
+        self._spawn(index, restore)
+
+  def _take_down(self, index: int) -> dict:
+    """Server `index`, paused: its last health kept (counts, drops), then killed and its
+    client revoked -> its unfinished groups and prompt position."""
+    server = self.servers[index]
+    try:
+      health = server.health(self.heartbeat_timeout_s)
+      self.last_health[index] = health
+      keep_spans(self.pending_spans, health)
+      self._retired_drops.extend(tuple(entry) for entry in health.get("drops", []))
+    except (wire.ServiceTimeout, wire.ServiceGone, EOFError, OSError) as error:
+      self.log(f"rollout server {index} gave no last health before leaving ({error!r})")
+    server.kill()
+    self.retire(index)
+    return self.service.revoke(self.client_ids[index], REVOKE_TIMEOUT_S)
+
+  def _resize(self, count: int) -> None:
+    """The per-server lists for `count` servers (their processes not started yet)."""
+    self.num_servers = count
+    self.servers = [None] * count
+    self.client_ids = [""] * count
+    self._generation = (self._generation + [0] * count)[:max(count, len(self._generation))]
+    self._initial = [{}] * count
+    self.last_health = [{}] * count
+    _, self.cores = child.core_shares(count)
+
+  def _count_reissued(self, reason: str, inflight: list) -> None:
+    self._counts[f"runtime/reissued_groups/{reason}"] += len(inflight)
+    self._counts[f"runtime/reissued_samples/{reason}"] += sum(len(e["missing"])
+                                                            for e in inflight)
+
+  def drop_log(self) -> list:
+    """As `Fleet.drop_log`, with the drops of servers that left at a reshape."""
+    return self._retired_drops + super().drop_log()
+
+  def _check_servers(self) -> None:
     with self._lock:
       for index, server in enumerate(self.servers):
         if not server.alive:
