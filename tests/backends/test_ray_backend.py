@@ -411,17 +411,20 @@ def test_the_default_task_trains_with_rollout_servers_as_ray_actors(cluster, tmp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("heartbeat_s", [None, 60.0], ids=["heartbeat", "no_heartbeat_after"])
+@pytest.mark.parametrize("heartbeat_s, ray_buffer", [
+    (None, "driver"), (60.0, "driver"), (None, "actor")],
+    ids=["heartbeat", "no_heartbeat_after", "buffer_actor"])
 def test_a_killed_rollout_actor_mid_run_loses_and_duplicates_no_prompt(cluster, tmp_path,
-                                                                       monkeypatch, heartbeat_s):
+                                                                       monkeypatch, heartbeat_s,
+                                                                       ray_buffer):
   """SIGKILL: Ray restarts the actor. With the driver's heartbeat slower than the rest of the
   run, no heartbeat sees the new incarnation: rollout_servers.json names it all the same (from
-  the stop's answer)."""
+  the stop's answer). The buffer in the driver (the default) and in a buffer actor alike."""
   del cluster
   if heartbeat_s is not None:
     from jaxrl_async.backends.ray.backend import RayFleet
     monkeypatch.setattr(RayFleet, "heartbeat_s", heartbeat_s)
-  config = processes_tests.small_config(12, **RAY_PLACEMENT)
+  config = processes_tests.small_config(12, ray_buffer=ray_buffer, **RAY_PLACEMENT)
   summary, victim, ledger = processes_tests.run_with_fault(config, tmp_path, signal.SIGKILL,
                                                            at_version=3)
   assert summary["policy_version"] == 12
