@@ -194,3 +194,41 @@ def test_a_watched_step_returns_its_result_or_raises_its_error_while_followers_l
 
   with pytest.raises(ValueError, match="bad step"):
     multihost_life.run_watching(fails, lives, silent_s=5.0, slice_s=0.01)
+
+
+@pytest.mark.slow
+def test_two_learner_processes_with_rollout_servers_as_ray_actors(tmp_path):
+  """Process 0 is the Ray driver of a 2-node local cluster (the rollout actor on the node that
+  offers `rollout`), process 1 follows its learner; both end 0 and the books are clean."""
+  pytest.importorskip("ray")
+  import ray
+
+  from jaxrl_async.backends.ray import placement
+
+  cluster = placement.start_local_cluster([{"num_cpus": 1, "resources": {"learner": 1}},
+                                           {"num_cpus": 1, "resources": {"rollout": 1}}])
+  try:
+    rollout_node = next(n["NodeID"] for n in ray.nodes()
+                        if n["Alive"] and "rollout" in n["Resources"])
+    run_dir, port, procs = tmp_path / "ray", _free_port(), []
+    bindings = (*run_lives.TINY_BINDINGS, "RunConfig.total_samples = 160",
+                "RunConfig.checkpoint_every_versions = 4", "RunConfig.backend = 'ray'",
+                "RunConfig.ray_rollout_resource = 'rollout'")
+    for process_id in (0, 1):
+      log = open(tmp_path / f"r{process_id}.log", "w")  # noqa: SIM115 (closed by run_lives.reap)
+      extra = ["--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2",
+               "--process_id", str(process_id), "--init_timeout_s", "120"]
+      env = {**_env(2), "RAY_ADDRESS": cluster.address, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+      procs.append((subprocess.Popen(
+          _argv(run_dir, ["gin/modes/async_partial.gin", MULTIHOST], bindings, extra=extra),
+          cwd=run_lives.ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    codes = run_lives.reap(procs, 900)
+  finally:
+    placement.stop_local_cluster(cluster)
+  assert codes == [0, 0], _logs(tmp_path, "r")
+  summary = json.loads((run_dir / "summary.json").read_text())
+  assert (summary["backend"], summary["policy_version"]) == ("ray", 20)
+  assert_clean_audit(summary)
+  servers = json.loads((run_dir / "rollout_servers.json").read_text())["servers"]
+  assert [server["node_id"] for server in servers] == [rollout_node]
+  assert '"learner_updates": 20' in (tmp_path / "r1.log").read_text()

@@ -83,8 +83,6 @@ def check_config(config: RunConfig) -> None:
   if config.checkpoint is not None:
     raise ValueError("a multi-process learner starts from the cached base policy; "
                      "RunConfig.checkpoint (a Hugging Face checkpoint) is one process only")
-  if config.is_async and config.backend == "ray":
-    raise ValueError("a multi-process learner runs with backend 'threads' or 'processes'")
 
 
 # ---- what every process builds ------------------------------------------------------------
