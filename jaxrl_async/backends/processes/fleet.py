@@ -161,6 +161,10 @@ class ProcessFleet(Fleet):
       self._apply_control()
 
   def _apply_control(self) -> None:
+    """The control file's commands; while paused (a checkpoint or an evaluation is being made
+    from the servers' state) the file waits for the next heartbeat."""
+    if self._paused:
+      return
     text = None if self.control_path is None else fleet_control.take(self.control_path)
     if text is None:
       return
