@@ -120,6 +120,9 @@ def test_a_server_added_and_one_retired_mid_run_leave_a_clean_ledger(tmp_path):
   assert sizes[0] == 2 and 3 in sizes and sizes[-1] == summary["fleet/size"] == 2, sizes
   assert sizes == [2] * sizes.index(3) + [3] * sizes.count(3) + [2] * (
       len(sizes) - sizes.index(3) - sizes.count(3)), sizes
+  # the reward pools of the servers that left still count: every consumed sample was scored
+  scored = sum(summary.get(f"reward/{outcome}", 0) for outcome in ("ok", "failed", "timeout"))
+  assert scored >= summary["ledger/consumed"], (scored, summary["ledger/consumed"])
   # the re-issues are counted under their reasons (a paused server may hold no open group)
   assert {"runtime/reissued_groups/server_retired",
           "runtime/reissued_groups/fleet_resized"} <= set(summary)

@@ -66,6 +66,7 @@ class ProcessFleet(Fleet):
     self.status_path = status_path  # JSON: each server's pid, cores and client id
     self.control_path = control_path  # fleet_control.py: 'add' / 'retire K' lines
     self._retired_drops: list = []  # drops of servers that left at a reshape
+    self._retired_rewards: dict[str, int] = {}  # their reward pools' counts
     self.servers: list[RolloutProcess | None] = [None] * self.num_servers
     self.client_ids: list[str] = [""] * self.num_servers
     self._generation = [0] * self.num_servers
@@ -216,6 +217,8 @@ class ProcessFleet(Fleet):
       self.last_health[index] = health
       keep_spans(self.pending_spans, health)
       self._retired_drops.extend(tuple(entry) for entry in health.get("drops", []))
+      for name, count in health.get("reward_counts", {}).items():
+        self._retired_rewards[name] = self._retired_rewards.get(name, 0) + int(count)
     except (wire.ServiceTimeout, wire.ServiceGone, EOFError, OSError) as error:
       self.log(f"rollout server {index} gave no last health before leaving ({error!r})")
     server.kill()
@@ -236,6 +239,13 @@ class ProcessFleet(Fleet):
     self._counts[f"runtime/reissued_groups/{reason}"] += len(inflight)
     self._counts[f"runtime/reissued_samples/{reason}"] += sum(len(e["missing"])
                                                             for e in inflight)
+
+  def reward_counts(self) -> dict[str, int]:
+    """As `Fleet.reward_counts`, with the reward pools of servers that left at a reshape."""
+    totals = super().reward_counts()
+    for name, count in self._retired_rewards.items():
+      totals[f"reward/{name}"] = totals.get(f"reward/{name}", 0) + count
+    return totals
 
   def drop_log(self) -> list:
     """As `Fleet.drop_log`, with the drops of servers that left at a reshape."""
