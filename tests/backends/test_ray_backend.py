@@ -190,6 +190,20 @@ def test_role_options_reject_bad_settings():
   assert "--xla_cpu_multi_thread_eigen=false" in options["runtime_env"]["env_vars"]["XLA_FLAGS"]
 
 
+def test_actors_get_the_drivers_compilation_cache(tmp_path):
+  """A rollout actor reads the driver's persistent compilation cache (JAX reads the variables at
+  import) instead of compiling every executable again."""
+  import jax
+  before = jax.config.jax_compilation_cache_dir
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path / "cache"))
+  try:
+    env = ray_backend.thread_env(1)
+  finally:
+    jax.config.update("jax_compilation_cache_dir", before)
+  assert env["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "cache")
+  assert "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" in env
+
+
 # ---- weights: published on the learner node, fetched on the rollout node ------------------------
 def test_weights_cross_nodes_through_the_object_store(probes):
   store, publisher, reader = probes["store"], probes["learner"], probes["rollout"]
