@@ -4,7 +4,7 @@ rounds.
     jaxrl-async sweep launch/sweeps/rlvr_staleness_paired.py
 
 gin/recipes/rlvr_async.gin on gin/tasks/rlvr.gin, processes backend. Each round runs every
-setting once with the same RunConfig.seed (0, 1, 2: prompt order and sampling keys; the base
+setting once with the same RunConfig.seed (0 to 4: prompt order and sampling keys; the base
 policy is the same), so a setting's rounds pair with the others' and a ratio is read within a
 round; the rounds follow one another, so slow drift of the machine falls on every setting alike.
 Settings: sync (threads backend, s = 0, no partial rollout, the recipe's batch geometry), s in
@@ -19,7 +19,7 @@ from launch import hyper
 NAME = "rlvr_staleness_paired"
 GIN_FILES = ["gin/recipes/rlvr_async.gin", "gin/tasks/rlvr.gin"]
 BINDINGS = ["RunConfig.backend = 'processes'"]
-ROUNDS = (0, 1, 2)
+ROUNDS = (0, 1, 2, 3, 4)
 
 SYNC = {"RunConfig.mode": "sync", "RunConfig.backend": "threads",
         "RunConfig.staleness_threshold": 0.0, "RunConfig.partial_rollout": False}
