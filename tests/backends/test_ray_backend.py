@@ -50,6 +50,17 @@ def cluster():
   ray_backend.stop_local_cluster(started)
 
 
+def until_restarted(call):
+  """`ray.get(call())` once Ray has restarted the actor: calls fail while it restarts."""
+  deadline = time.monotonic() + CALL_S
+  while True:
+    try:
+      return ray.get(call(), timeout=CALL_S)
+    except ray.exceptions.RayActorError:
+      assert time.monotonic() < deadline, "the rollout actor was not restarted"
+      time.sleep(0.5)
+
+
 def node_with(resource: str) -> str:
   nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n["Resources"]]
   assert len(nodes) == 1, nodes
@@ -286,14 +297,7 @@ def test_a_killed_rollout_actor_is_restarted_and_its_groups_reissued_once(cluste
   assert [e["group_id"] for e in ray.get(buffer.tracked.remote("writer-0"), timeout=CALL_S)] == [
       1, 2, 3]
   os.kill(ray.get(writer.pid.remote(), timeout=CALL_S), signal.SIGKILL)
-  deadline = time.monotonic() + CALL_S
-  while True:  # calls fail while Ray restarts the actor
-    try:
-      incarnation, reissued = ray.get(writer.incarnation_and_reissued.remote(), timeout=CALL_S)
-      break
-    except ray.exceptions.RayActorError:
-      assert time.monotonic() < deadline, "the rollout actor was not restarted"
-      time.sleep(0.5)
+  incarnation, reissued = until_restarted(writer.incarnation_and_reissued.remote)
   assert incarnation is True
   assert reissued == [(1, [1, 3]), (2, [0, 1, 2, 3]), (3, [0, 1, 2, 3])]
   ray.get(writer.reissue.remote(), timeout=CALL_S)
@@ -357,14 +361,7 @@ def test_a_killed_rollout_actor_reissues_its_groups_once_with_the_buffer_in_the_
     ray.get(writer.put.remote(1, [0, 2]), timeout=CALL_S)  # group 1: members 1 and 3 in flight
     assert [e["group_id"] for e in hosted.service.tracked("rollout-0-1")] == [1, 2, 3]
     os.kill(ray.get(writer.pid.remote(), timeout=CALL_S), signal.SIGKILL)
-    deadline = time.monotonic() + CALL_S
-    while True:  # calls fail while Ray restarts the actor
-      try:
-        client_id, reissued = ray.get(writer.client_and_reissued.remote(), timeout=CALL_S)
-        break
-      except ray.exceptions.RayActorError:
-        assert time.monotonic() < deadline, "the rollout actor was not restarted"
-        time.sleep(0.5)
+    client_id, reissued = until_restarted(writer.client_and_reissued.remote)
     assert client_id == "rollout-0-2"
     assert reissued == [(1, [1, 3]), (2, [0, 1, 2, 3]), (3, [0, 1, 2, 3])]
     assert hosted.restarts() == 1 and not hosted.constructing(0)
