@@ -43,11 +43,15 @@ def parse(text: str, num_servers: int) -> tuple[int, list[int], list[str]]:
 
 
 def take(path: str) -> str | None:
-  """The control file's text, the file removed; None when there is none."""
+  """The control file's text, the file removed; None when there is none. The file is renamed
+  before it is read, so a command renamed onto `path` meanwhile waits for the next heartbeat
+  instead of being removed unread."""
+  taken = path + ".taken"
   try:
-    with open(path, encoding="utf-8") as f:
-      text = f.read()
+    os.replace(path, taken)
   except FileNotFoundError:
     return None
-  os.remove(path)
+  with open(taken, encoding="utf-8") as f:
+    text = f.read()
+  os.remove(taken)
   return text
