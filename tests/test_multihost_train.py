@@ -1,6 +1,7 @@
 """`jaxrl-async train` as a 2-process jax.distributed learner on 127.0.0.1 (2 CPU devices each):
 the same params as a 1-process run of the same seed and batches, a clean ledger audit, and a
-SIGKILLed learner process that stops the run with a clear error; `--resume` finishes it."""
+SIGKILLed learner process that stops the run with a clear error; `--resume` finishes it; the
+same with the rollout servers as Ray actors."""
 
 import json
 import os
@@ -46,18 +47,39 @@ def _env(devices: int) -> dict:
   return env
 
 
-def start_two(tmp_path, run_dir, bindings, *, resume=False, tag="a"):
+def start_two(tmp_path, run_dir, bindings, *, resume=False, tag="a", gin_files=(SYNC, MULTIHOST),
+              env=None):
+  """Processes 0 and 1 of a 2-process learner (2 CPU devices each), logs in `<tag><id>.log`."""
   port = _free_port()
   procs = []
   for process_id in (0, 1):
     log = open(tmp_path / f"{tag}{process_id}.log", "w")  # noqa: SIM115 (closed by run_lives.reap)
     extra = ["--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2",
              "--process_id", str(process_id), "--init_timeout_s", "120"]
-    procs.append((subprocess.Popen(_argv(run_dir, [SYNC, MULTIHOST], bindings, resume=resume,
+    procs.append((subprocess.Popen(_argv(run_dir, list(gin_files), bindings, resume=resume,
                                          extra=extra),
-                                   cwd=run_lives.ROOT, env=_env(2), stdout=log,
-                                   stderr=subprocess.STDOUT), log))
+                                   cwd=run_lives.ROOT, env={**_env(2), **(env or {})},
+                                   stdout=log, stderr=subprocess.STDOUT), log))
   return procs
+
+
+def kill_follower_after(tmp_path, run_dir, procs, version: int, tag: str = "a") -> str:
+  """SIGKILLs process 1 once checkpoint `version` is committed; process 0 must then stop with
+  exit 1 and an error that names the lost process and `--resume` -> process 0's log."""
+  checkpoints = run_dir / "checkpoints"
+  deadline = time.monotonic() + 400
+  while (time.monotonic() < deadline
+         and not (checkpoints / str(version) / "commit_success.txt").exists()):
+    assert procs[0][0].poll() is None, _logs(tmp_path, tag)
+    time.sleep(0.5)
+  assert (checkpoints / str(version)).exists(), _logs(tmp_path, tag)
+  procs[1][0].send_signal(signal.SIGKILL)
+  codes = run_lives.reap(procs, 180)  # a bounded stop, not a hang (reap kills past it: code None)
+  assert codes[0] == 1, _logs(tmp_path, tag)
+  out = (tmp_path / f"{tag}0.log").read_text()
+  assert "the run stopped" in out and "the learner's state spans that process" in out, out[-3000:]
+  assert "--resume" in out
+  return out
 
 
 def final_params(run_dir):
@@ -117,18 +139,7 @@ def test_sigkill_of_the_other_learner_process_then_resume(tmp_path):
   bindings = (*run_lives.TINY_BINDINGS, "RunConfig.total_samples = 96",
               "RunConfig.checkpoint_every_versions = 2")
   procs = start_two(tmp_path, run_dir, bindings)
-  checkpoints = run_dir / "checkpoints"
-  deadline = time.monotonic() + 400
-  while time.monotonic() < deadline and not (checkpoints / "2" / "commit_success.txt").exists():
-    assert procs[0][0].poll() is None, _logs(tmp_path, "a")
-    time.sleep(0.5)
-  assert (checkpoints / "2").exists(), _logs(tmp_path, "a")
-  procs[1][0].send_signal(signal.SIGKILL)
-  codes = run_lives.reap(procs, 180)  # a bounded stop, not a hang (reap kills past it: code None)
-  assert codes[0] == 1, _logs(tmp_path, "a")
-  out = (tmp_path / "a0.log").read_text()
-  assert "the run stopped" in out and "the learner's state spans that process" in out, out[-3000:]
-  assert "--resume" in out
+  out = kill_follower_after(tmp_path, run_dir, procs, 2)
   assert "the last checkpoint is policy_version 2" in out, out[-3000:]  # whole on disk
   procs = start_two(tmp_path, run_dir, bindings, resume=True, tag="b")
   codes = run_lives.reap(procs, 600)
@@ -197,9 +208,11 @@ def test_a_watched_step_returns_its_result_or_raises_its_error_while_followers_l
 
 
 @pytest.mark.slow
-def test_two_learner_processes_with_rollout_servers_as_ray_actors(tmp_path):
+def test_two_learner_processes_with_rollout_servers_as_ray_actors_sigkill_and_resume(tmp_path):
   """Process 0 is the Ray driver of a 2-node local cluster (the rollout actor on the node that
-  offers `rollout`), process 1 follows its learner; both end 0 and the books are clean."""
+  offers `rollout`), process 1 follows its learner. Process 1 is SIGKILLed after checkpoint 4:
+  process 0 stops with a clear error and its rollout actor goes; `--resume` on both finishes
+  the run with clean books."""
   pytest.importorskip("ray")
   import ray
 
@@ -210,25 +223,22 @@ def test_two_learner_processes_with_rollout_servers_as_ray_actors(tmp_path):
   try:
     rollout_node = next(n["NodeID"] for n in ray.nodes()
                         if n["Alive"] and "rollout" in n["Resources"])
-    run_dir, port, procs = tmp_path / "ray", _free_port(), []
+    run_dir = tmp_path / "ray"
     bindings = (*run_lives.TINY_BINDINGS, "RunConfig.total_samples = 160",
                 "RunConfig.checkpoint_every_versions = 4", "RunConfig.backend = 'ray'",
                 "RunConfig.ray_rollout_resource = 'rollout'")
-    for process_id in (0, 1):
-      log = open(tmp_path / f"r{process_id}.log", "w")  # noqa: SIM115 (closed by run_lives.reap)
-      extra = ["--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2",
-               "--process_id", str(process_id), "--init_timeout_s", "120"]
-      env = {**_env(2), "RAY_ADDRESS": cluster.address, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-      procs.append((subprocess.Popen(
-          _argv(run_dir, ["gin/modes/async_partial.gin", MULTIHOST], bindings, extra=extra),
-          cwd=run_lives.ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    how = {"gin_files": ("gin/modes/async_partial.gin", MULTIHOST),
+           "env": {"RAY_ADDRESS": cluster.address, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}}
+    procs = start_two(tmp_path, run_dir, bindings, tag="r", **how)
+    kill_follower_after(tmp_path, run_dir, procs, 4, tag="r")
+    procs = start_two(tmp_path, run_dir, bindings, resume=True, tag="s", **how)
     codes = run_lives.reap(procs, 900)
   finally:
     placement.stop_local_cluster(cluster)
-  assert codes == [0, 0], _logs(tmp_path, "r")
+  assert codes == [0, 0], _logs(tmp_path, "s")
+  assert "resumed from" in (tmp_path / "s0.log").read_text()
   summary = json.loads((run_dir / "summary.json").read_text())
   assert (summary["backend"], summary["policy_version"]) == ("ray", 20)
   assert_clean_audit(summary)
   servers = json.loads((run_dir / "rollout_servers.json").read_text())["servers"]
   assert [server["node_id"] for server in servers] == [rollout_node]
-  assert '"learner_updates": 20' in (tmp_path / "r1.log").read_text()
