@@ -1,7 +1,7 @@
 """The fleet control file: `add` and `retire K` lines are applied together; a line that cannot
 be applied is named and left out."""
 
-from jaxrl_async.backends.processes import fleet_control
+from jaxrl_async.backends import fleet_control
 
 
 def test_adds_and_retires_are_read_together():

@@ -13,7 +13,7 @@ ray = pytest.importorskip("ray")
 
 from jaxrl_async.backends.ray import placement  # noqa: E402
 from jaxrl_async.run import api  # noqa: E402
-from tests.backends.test_elastic_fleet import check_books, fleet_sizes  # noqa: E402
+from tests.backends.elastic import check_books, fleet_sizes  # noqa: E402
 from tests.backends.test_processes_backend import small_config  # noqa: E402
 
 

@@ -15,8 +15,9 @@ import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from jaxrl_async.backends import fleet_control
 from jaxrl_async.backends.base import Backend, Connection
-from jaxrl_async.backends.processes import child, fleet_control
+from jaxrl_async.backends.processes import child
 from jaxrl_async.backends.processes.buffer_service import BufferService
 from jaxrl_async.backends.processes.fleet import ProcessFleet
 from jaxrl_async.backends.processes.rollout_process import PROCESS_CHANNELS

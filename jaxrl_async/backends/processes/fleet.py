@@ -27,7 +27,7 @@ import json
 import os
 from typing import Any
 
-from jaxrl_async.backends import fleet_shape
+from jaxrl_async.backends import fleet_control, fleet_shape
 from jaxrl_async.backends.base import (
   Fleet,
   RoleFailed,
@@ -35,7 +35,7 @@ from jaxrl_async.backends.base import (
   load_overdue,
   warn_unscored,
 )
-from jaxrl_async.backends.processes import child, fleet_control, wire
+from jaxrl_async.backends.processes import child, wire
 from jaxrl_async.backends.processes.buffer_service import BufferService, RemoteBufferClient
 from jaxrl_async.backends.processes.rollout_process import RolloutProcess
 from jaxrl_async.backends.rollout_server import first_start

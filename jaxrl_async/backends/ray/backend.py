@@ -18,6 +18,10 @@ its predecessor left unfinished from the claim book beside the buffer (`claims.C
 revoke the old client, register a new one), continues its prompt shard, and re-issues each of
 those groups exactly once, counted under `runtime/reissued_groups/actor_restarted` (and
 `.../server_unresponsive` when the driver's heartbeat killed a silent actor).
+
+Elastic: actors are added and retired during the run through `<run_dir>/fleet_control`
+(`add` / `retire K` lines, `backends.fleet_control`), read at the heartbeat; a change of shape
+restarts every actor on the new shape's work (`reshape.py`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from jaxrl_async.backends import fleet_control
 from jaxrl_async.backends.base import (
   Backend,
   Connection,
@@ -48,6 +53,7 @@ from jaxrl_async.backends.ray.buffer import DriverBuffer
 from jaxrl_async.backends.ray.hosted import HostedBuffer
 from jaxrl_async.backends.ray.links import as_link
 from jaxrl_async.backends.ray.placement import require_ray
+from jaxrl_async.backends.ray.reshape import Reshaping
 from jaxrl_async.backends.ray.weights import RayWeightChannel
 from jaxrl_async.config import RunConfig
 from jaxrl_async.run.build import Parts, buffer_kwargs
@@ -62,14 +68,15 @@ class RolloutActorFailed(RoleFailed):
   """A rollout actor's role raised, or an actor could not be restarted."""
 
 
-class RayFleet(Fleet):
+class RayFleet(Reshaping, Fleet):
   """The rollout actors seen from the driver. Ray restarts a killed actor; the heartbeat kills
-  a silent one."""
+  a silent one and applies the control file (`Reshaping`, which also pauses and resumes)."""
 
   def __init__(self, config, buffer, channel_spec: dict, *, book=None,
-               status_path: str | None = None, log=print):
+               status_path: str | None = None, control_path: str | None = None, log=print):
     """`buffer`: what the actors reach the buffer by (a `links` link, or the buffer actor's
-    handle); `book`: the restarts' bookkeeping as the driver calls it (None: `buffer`'s)."""
+    handle); `book`: the restarts' bookkeeping as the driver calls it (None: `buffer`'s);
+    `control_path`: the fleet control file (None: the fleet keeps its size)."""
     super().__init__(config.num_rollout_servers, log=log)
     self.ray = require_ray()
     self.config = config
@@ -78,14 +85,23 @@ class RayFleet(Fleet):
     self.channel_spec = channel_spec  # how the actors reach the weights (`weight_channels`)
     self.status_path = status_path
     self.heartbeat_timeout_s = config.heartbeat_timeout_s
-    self.actors: list = [None] * self.num_servers
     # A server may be silent this long (a restart by Ray included) before it is killed.
     self.silence_limit_s = max(3 * self.heartbeat_timeout_s, SILENCE_MIN_S)
-    self._last_answer = [time.monotonic()] * self.num_servers
-    self._constructor_args: list[list] = []
+    self._actor_class = self.ray.remote(RolloutActorImpl)
     self._load_deadline_missed = 0
-    self._killed: list[str | None] = [None] * self.num_servers  # client ids killed here
     self._started = False
+    self._init_reshaping(control_path)
+    self._resize(self.num_servers)
+
+  def _resize(self, count: int) -> None:
+    """The per-actor lists for `count` actors (none created yet)."""
+    self.num_servers = count
+    self.actors: list = [None] * count
+    self.last_health = [{}] * count
+    self._last_answer = [time.monotonic()] * count
+    # The constructors' arguments stay referenced here: Ray needs them to restart an actor.
+    self._constructor_args: list[list | None] = [None] * count
+    self._killed: list[str | None] = [None] * count  # client ids killed here
 
   @property
   def restarts(self) -> int:
@@ -93,7 +109,7 @@ class RayFleet(Fleet):
 
   @property
   def counts(self) -> dict[str, int]:
-    return {**self.book.reissue_counts(),
+    return {**self.book.reissue_counts(), **self._reshape_counts,
             "sync/load_deadline_missed": self._load_deadline_missed}
 
   def _get(self, ref, timeout: float = 60.0):
@@ -105,17 +121,20 @@ class RayFleet(Fleet):
     their constructors then wait for `start` to hand over their restores."""
     if any(actor is not None for actor in self.actors):
       return
-    cls = self.ray.remote(RolloutActorImpl)
-    cfg = self.config
     for index in range(self.num_servers):
-      options = ray_backend.role_options(
-          node_resource=cfg.ray_rollout_resource, num_cpus=cfg.ray_rollout_cpus,
-          num_gpus=cfg.ray_rollout_gpus, max_restarts=MAX_RESTARTS, max_concurrency=4,
-          env=ray_backend.thread_env(max(1, int(cfg.ray_rollout_cpus))))
-      # The constructor's arguments stay referenced here: Ray needs them to restart the actor.
-      args = [self.ray.put(cfg), index, self.num_servers, self.buffer, self.channel_spec]
-      self._constructor_args.append(args)
-      self.actors[index] = cls.options(**options).remote(*args)
+      self._new_actor(index)
+
+  def _new_actor(self, index: int) -> None:
+    """Creates actor `index` of the current fleet on a node offering the rollout resource; its
+    constructor waits for its restore (`ClaimBook.restore_for`)."""
+    cfg = self.config
+    options = ray_backend.role_options(
+        node_resource=cfg.ray_rollout_resource, num_cpus=cfg.ray_rollout_cpus,
+        num_gpus=cfg.ray_rollout_gpus, max_restarts=MAX_RESTARTS, max_concurrency=4,
+        env=ray_backend.thread_env(max(1, int(cfg.ray_rollout_cpus))))
+    args = [self.ray.put(cfg), index, self.num_servers, self.buffer, self.channel_spec]
+    self._constructor_args[index] = args
+    self.actors[index] = self._actor_class.options(**options).remote(*args)
 
   def start(self, restores: list[dict | None]) -> None:
     if len(restores) != self.num_servers:
@@ -153,7 +172,8 @@ class RayFleet(Fleet):
     os.replace(self.status_path + ".tmp", self.status_path)
 
   def check(self) -> None:
-    """One heartbeat: a silent actor is killed (Ray restarts it); a role error stops the run."""
+    """One heartbeat: a silent actor is killed (Ray restarts it); a role error stops the run;
+    then the control file's commands are applied (`Reshaping._apply_control`)."""
     for index, actor in enumerate(self.actors):
       try:
         health = self._get(actor.call.remote("health", self.heartbeat_timeout_s),
@@ -183,6 +203,7 @@ class RayFleet(Fleet):
         self._restart_stuck(index, f"still loading weights after "
                             f"{self.config.sync_load_deadline_s} s", deadline=True)
     self._write_status()
+    self._apply_control()
 
   def _take_answer(self, index: int, answer: dict) -> None:
     """A health (or stop) answer of actor `index`: an answer of a new incarnation first keeps
@@ -210,15 +231,6 @@ class RayFleet(Fleet):
 
   def _each(self, method: str, timeout: float) -> list[Any]:
     return [self._call(index, method, timeout) for index in range(self.num_servers)]
-
-  def pause(self, timeout: float | None = None) -> None:
-    self._each("pause", max(3 * self.heartbeat_timeout_s, 30.0) if timeout is None else timeout)
-
-  def resume(self, timeout: float = 30.0) -> None:
-    self._each("resume", timeout)
-
-  def snapshots(self, timeout: float = 30.0) -> list[dict]:
-    return self._each("snapshot", timeout)
 
   def placement(self) -> dict[str, Any]:
     """Where the actors ran (node ids of the servers' last answers, and the driver's)."""
@@ -336,7 +348,8 @@ class RayBackend(Backend):
     with buffer_side(cfg, learner_place) as (buffer, book, driver_buffer, ledger, first_calls):
       channel, channel_spec, store = weight_channels(parts, run_dir, learner_place)
       fleet = RayFleet(cfg, buffer, channel_spec, book=book,
-                       status_path=os.path.join(run_dir, "rollout_servers.json"), log=log)
+                       status_path=os.path.join(run_dir, "rollout_servers.json"),
+                       control_path=os.path.join(run_dir, fleet_control.CONTROL_FILE), log=log)
       try:
         fleet.launch()  # the rollout actors start meanwhile
         await_started({**first_calls,

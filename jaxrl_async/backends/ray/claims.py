@@ -5,7 +5,10 @@ buffer it serves) and keeps, per rollout server index, the client id of its live
 a new incarnation `claim`s its predecessor's unfinished groups (revoked from the dead client)
 and prompt shard, and the re-issues are counted by reason. The driver hands each server's
 restore over with `set_restores`; a server that is between its claim and the end of its
-constructor is `constructing` (the heartbeat does not count its silence).
+constructor is `constructing` (the heartbeat does not count its silence). When the driver
+changes the fleet's shape during the run (`reshape.Reshaping`), every server is `release`d (its
+client revoked, its work returned to the driver) and the new fleet's shares are handed over
+with `reshape`: each new actor's first claim starts from its share as dealt, admissions held.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ class ClaimBook:
     self._restarts = 0
     self._restores_given = threading.Event()
     self._restores: list = []  # where each server starts, handed over by the driver's start
+    # the restores are a reshape's shares (revoked groups hold their admissions), not a
+    # checkpoint's snapshots (whose admissions did not carry)
+    self._dealt = False
     self._reissue_counts = {f"runtime/reissued_{kind}/{reason}": 0
                             for kind in ("groups", "samples") for reason in REISSUE_REASONS}
 
@@ -47,6 +53,9 @@ class ClaimBook:
       previous = self._client_ids.get(index)
       if restarted and previous is not None:
         restore = self._take_over(index, previous)
+      elif self._dealt:
+        self._initial[index] = {"prompts": restore.get("prompts"),
+                                "next_group_id": restore["rollout"]["next_group_id"]}
       else:
         restore, self._initial[index] = first_start(restore, index)
       rollout = restore["rollout"]
@@ -63,12 +72,19 @@ class ClaimBook:
     and prompt position (revoked, counted by why it restarted)."""
     reason = "server_unresponsive" if index in self._unresponsive else "actor_restarted"
     self._unresponsive.discard(index)
-    orphan = self.service.revoke(previous, REVOKE_TIMEOUT_S)
-    inflight = orphan["inflight"]
+    restore = self._revoke(index, previous)
+    inflight = restore["rollout"]["inflight"]
     self._reissue_counts[f"runtime/reissued_groups/{reason}"] += len(inflight)
     self._reissue_counts[f"runtime/reissued_samples/{reason}"] += sum(
         len(entry["missing"]) for entry in inflight)
     self._restarts += 1
+    return restore
+
+  def _revoke(self, index: int, client_id: str) -> dict[str, Any]:
+    """Client `client_id` of server `index` revoked: its unfinished groups (admissions held)
+    and prompt position, where its shard started when it left none."""
+    orphan = self.service.revoke(client_id, REVOKE_TIMEOUT_S)
+    inflight = orphan["inflight"]
     initial = self._initial[index]
     next_group_id = (orphan["next_group_id"] if orphan["next_group_id"] is not None
                      else initial["next_group_id"])
@@ -81,7 +97,30 @@ class ClaimBook:
     """The driver's fleet starts: what each rollout server starts from (a checkpoint's
     snapshot, or None)."""
     self._restores = list(restores)
+    self._dealt = False
     self._restores_given.set()
+
+  def release(self, index: int) -> dict[str, Any]:
+    """Server `index` leaves at a change of the fleet's shape (its actor killed for good): its
+    live client revoked -> `{'rollout': {'inflight', 'next_group_id'}, 'prompts'}`, its
+    unfinished groups and prompt position for the driver to re-deal."""
+    with self._claims:
+      client_id = self._client_ids.pop(index)
+      self._unresponsive.discard(index)
+      self._constructing.discard(index)
+      return self._revoke(index, client_id)
+
+  def reshape(self, restores: list[dict]) -> None:
+    """The fleet's new shape, every old server released: what each new server starts from (a
+    share dealt by `fleet_shape.redeal`, its groups' admissions held). Ray restarts of the new
+    actors claim from their first incarnation as before."""
+    with self._claims:
+      if self._client_ids:
+        raise ValueError(f"reshape with servers {sorted(self._client_ids)} not released")
+      self._initial = {}
+      self._restores = list(restores)
+      self._dealt = True
+      self._restores_given.set()
 
   def restore_for(self, index: int, wait_s: float) -> tuple[bool, Any]:
     """(given, restore) of rollout server `index`, waiting at most `wait_s` for the driver."""

@@ -5,7 +5,7 @@ process over the buffer service's socket transport (`hosted.py`), 'actor' keeps 
 actor reached by Ray calls (`buffer.py`). A link is what the rollout actors get in their
 constructor's arguments (picklable): `restore_for`, `claim` and `ready` of the restarts'
 bookkeeping, and `client(client_id)`, the `BufferClient` a rollout server puts through.
-`ActorLink` also answers the fleet's calls (`set_restores`, `constructing`, ...); with the
+`ActorLink` also answers the fleet's calls (`set_restores`, `release`, `reshape`, ...); with the
 buffer in the driver the fleet calls the `ClaimBook` itself.
 """
 
@@ -15,6 +15,7 @@ from typing import Any
 
 from jaxrl_async.backends.processes.buffer_service import RemoteBufferClient
 from jaxrl_async.backends.ray.buffer import RayBufferClient
+from jaxrl_async.backends.ray.claims import REVOKE_TIMEOUT_S
 from jaxrl_async.backends.ray.placement import RPC_MARGIN_S, require_ray
 
 CALL_S = 60.0  # a bookkeeping call's own bound (beyond its wait)
@@ -46,6 +47,12 @@ class ActorLink:
 
   def set_restores(self, restores: list) -> None:
     self._call("set_restores", list(restores))
+
+  def release(self, index: int) -> dict:
+    return self._call("release", index, wait_s=REVOKE_TIMEOUT_S)
+
+  def reshape(self, restores: list) -> None:
+    self._call("reshape", list(restores))
 
   def constructing(self, index: int) -> bool:
     return self._call("constructing", index)
