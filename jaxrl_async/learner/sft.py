@@ -75,10 +75,17 @@ def make_sft_step(graphdef, state_sh):
 
 
 def warm_start(task, model_config: ModelConfig, config: WarmStartConfig, mesh, *,
-               log_every: int = 50, log=print):
-  """Train a base policy from random init on the task's reference answers; returns params."""
+               log_every: int = 50, log=print, initial_params=None):
+  """Train a base policy on the task's reference answers; returns params. It starts from a
+  random init, or from `initial_params` (e.g. a Hugging Face checkpoint's, of `model_config`'s
+  structure)."""
   model = init_model(model_config, config.seed)
   graphdef, params = split_model(model)
+  if initial_params is not None:
+    if jax.tree.structure(initial_params) != jax.tree.structure(params):
+      raise ValueError("warm_start: initial_params do not have the structure of model_config's "
+                       "params")
+    params = initial_params
   tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, 10,
                                                       max(config.steps, 11)))
   state = init_train_state(params, tx, mesh, param_logical_axes(model))
