@@ -10,7 +10,11 @@ previous committed version, the payload bytes written and whether the version we
 a delta. `--skip` leaves out the first versions (the first publish is full and has nothing to
 compare with). Reported: the density (changed / elements) per version as min, median, p90, max
 and mean over the versions; bytes per delta version against a full version's; how many
-versions went full (the first, every `sync_full_every`-th, after a reader asked for one).
+versions went full (the first, every `sync_full_every`-th, after a reader asked for one); and
+the rollout side's loads (`weights/loads/*.jsonl`): how many there were and how many ended at a
+digest other than the one published for their version (the digest names every leaf's CRC-32,
+which a delta's result is checked against as it is applied; 0 means every load was, leaf by
+leaf, the full version).
 """
 
 from __future__ import annotations
@@ -33,6 +37,23 @@ def read_published(run_dir: str) -> list[dict]:
                             "RunConfig.sync_backend = 'store'?")
   with open(path, encoding="utf-8") as f:
     return [json.loads(line) for line in f if line.strip()]
+
+
+def read_loads(run_dir: str) -> list[dict]:
+  """Every rollout server's loads, in no particular order."""
+  directory = os.path.join(run_dir, "weights", "loads")
+  loads = []
+  for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else ():
+    with open(os.path.join(directory, name), encoding="utf-8") as f:
+      loads += [json.loads(line) for line in f if line.strip()]
+  return loads
+
+
+def check_loads(published: list[dict], loads: list[dict]) -> dict:
+  """How many loads there were and how many ended at another digest than their version's."""
+  digests = {line["version"]: line["digest"] for line in published}
+  wrong = [load for load in loads if digests.get(load["version"]) != load["digest"]]
+  return {"loads": len(loads), "loads_digest_mismatch": len(wrong)}
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -70,7 +91,9 @@ def main(argv=None) -> int:
   parser.add_argument("--skip", type=int, default=1)
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
-  figures = {"run_dir": args.run_dir, **summarize(read_published(args.run_dir), args.skip)}
+  published = read_published(args.run_dir)
+  figures = {"run_dir": args.run_dir, **summarize(published, args.skip),
+             **check_loads(published, read_loads(args.run_dir))}
   emit_json_line(figures, args.out)
   return 0
 

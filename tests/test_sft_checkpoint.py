@@ -1,6 +1,5 @@
 """tools/sft_checkpoint.py: a Hugging Face checkpoint fine-tuned on a task's reference answers
-comes back as a checkpoint of the same model that fits those answers better; and
-benchmarks/delta_density.py's summary of a weight store's published versions."""
+comes back as a checkpoint of the same model that fits those answers better."""
 
 import numpy as np
 import pytest
@@ -10,7 +9,6 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 
 import gin
-from benchmarks import delta_density
 from jaxrl_async import config as config_lib
 from jaxrl_async.learner import sft
 from jaxrl_async.model import apply, weights
@@ -65,18 +63,3 @@ def test_warm_start_refuses_params_of_another_model():
   with pytest.raises(ValueError, match="structure"):
     sft.warm_start(None, weights.load_config(QWEN2), sft.WarmStartConfig(steps=1), None,
                    initial_params={"embed": np.zeros(3)})
-
-
-def test_delta_density_summary():
-  lines = [{"version": 1, "kind": "full", "bytes": 1000, "changed": -1, "elements": 500},
-           {"version": 2, "kind": "delta", "bytes": 60, "changed": 10, "elements": 500},
-           {"version": 3, "kind": "delta", "bytes": 30, "changed": 5, "elements": 500},
-           {"version": 4, "kind": "full", "bytes": 1000, "changed": 50, "elements": 500}]
-  out = delta_density.summarize(lines)
-  assert out["versions_measured"] == 3 and out["versions_full"] == 2
-  assert out["density_min"] == 0.01 and out["density_max"] == 0.1
-  assert out["density_median"] == 0.02
-  assert out["density_mean"] == pytest.approx(65 / 1500)
-  assert out["delta_bytes_median"] == 45 and out["delta_over_full_median"] == 0.045
-  with pytest.raises(ValueError, match="no version"):
-    delta_density.summarize(lines[:1])
