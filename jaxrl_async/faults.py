@@ -40,6 +40,7 @@ POINTS = (
     "sync.stage",  # weight store: a version is staged and checked, not yet flipped into place
     "sync.load",  # weight store: a rollout server starts loading a version
     "rollout.decode_step",  # the rollout side runs one decode step
+    "rollout.stop",  # a rollout server is asked to stop (the run's end or a checkpointed stop)
 )
 ACTIONS = ("kill", "raise", "hang", "delay")
 

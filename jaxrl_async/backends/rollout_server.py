@@ -179,6 +179,7 @@ class RolloutServer(RolloutControl):
     or as a 'shutdown' drop before the answer (this server's last health) is made, so the
     drops it lists are complete. Samples still scored after `timeout` are named in the answer
     (`rewarding`) and the run's ledger audit reports them missing."""
+    faults.point("rollout.stop")
     self.rollouter.stop()
     try:
       self.rollouter.join(timeout)

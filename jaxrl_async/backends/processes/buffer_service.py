@@ -103,9 +103,10 @@ class BufferService:
         raise ValueError(f"buffer client {client_id!r} is already registered")
       self._clients[client_id] = client
 
-  def revoke(self, client_id: str, timeout: float) -> dict[str, Any]:
+  def revoke(self, client_id: str, timeout: float, *, reissue: bool = True) -> dict[str, Any]:
     """Declares a client dead: rejects its later calls, waits for its calls in progress (at
-    most `timeout` s), and returns its unfinished groups and prompt position."""
+    most `timeout` s), and returns its unfinished groups and prompt position. `reissue`: its
+    groups go to a successor (recorded in `reissued`); False where none follows (a stop)."""
     client = self._client(client_id)
     deadline = time.monotonic() + timeout
     with client.cond:
@@ -117,7 +118,8 @@ class BufferService:
                    "missing": sorted(entry["missing"]), "admitted": True}
                   for gid, entry in sorted(client.inflight.items())]
       client.inflight.clear()
-    self.reissued.extend(entry["group_id"] for entry in inflight)
+    if reissue:
+      self.reissued.extend(entry["group_id"] for entry in inflight)
     self._publish_oldest()
     return {"inflight": inflight, "prompt_state": client.prompt_state,
             "next_group_id": client.next_group_id}

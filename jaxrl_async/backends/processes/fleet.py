@@ -307,18 +307,58 @@ class ProcessFleet(Fleet):
     return self._each("snapshot", timeout)
 
   def stop(self, timeout: float = 60.0) -> None:
-    """Stops every server (each counts what it aborts as 'shutdown') and reaps them all."""
+    """Stops every server (each counts what it aborts as 'shutdown') and reaps them all. A
+    server that gives no last answer (it died after its last heartbeat, or its stop failed) is
+    accounted from the buffer's record of it (`lost_answer`)."""
     with self._lock:
       for index, server in enumerate(self.servers):
         if server is None:
           continue
+        answered = False
         try:
           if server.alive:
             self.last_health[index] = server.stop(timeout)
+            answered = True
             keep_spans(self.pending_spans, self.last_health[index])
             warn_unscored(index, self.last_health[index], self.log)
+          else:
+            self.log(f"rollout server {index} was gone at the stop")
         except (wire.ServiceTimeout, wire.ServiceGone, EOFError, OSError) as error:
           self.log(f"rollout server {index} did not stop cleanly ({error!r}): killed")
         finally:
           server.kill()
+        if not answered:
+          self._account_lost(index)
       self._spawner.shutdown(wait=True)
+
+  def _account_lost(self, index: int) -> None:
+    """Server `index` ended without a last answer: its last heartbeat's answer, completed from
+    the buffer's record of its client (`lost_answer`)."""
+    try:
+      orphan = self.service.revoke(self.client_ids[index], REVOKE_TIMEOUT_S, reissue=False)
+    except (TimeoutError, KeyError) as error:
+      self.log(f"rollout server {index}: no buffer record to account for it ({error!r})")
+      return
+    self.last_health[index] = lost_answer(self.last_health[index], orphan)
+    lost = sum(len(uids) for reason, uids in self.last_health[index]["drops"]
+               if reason == LOST_REASON)
+    self.log(f"rollout server {index}: {lost} samples of its unfinished groups dropped as "
+             f"'{LOST_REASON}'")
+
+
+LOST_REASON = "server_lost"
+
+
+def lost_answer(health: dict, orphan: dict) -> dict:
+  """A last answer for a server that gave none: `health` (its last heartbeat's) with the next
+  group id the buffer recorded for it (its admissions after that heartbeat included) and the
+  missing samples of its unfinished groups dropped under 'server_lost' (those its drops already
+  name left out), so that the run's ledger knows every group it started."""
+  dropped = {tuple(uid) for _, uids in health.get("drops", []) for uid in uids}
+  lost = [(entry["group_id"], index) for entry in orphan["inflight"]
+          for index in entry["missing"] if (entry["group_id"], index) not in dropped]
+  out = {**health, "drops": list(health.get("drops", [])) + ([(LOST_REASON, lost)] if lost
+                                                             else [])}
+  if orphan.get("next_group_id") is not None:
+    out["next_group_id"] = orphan["next_group_id"]
+  return out
