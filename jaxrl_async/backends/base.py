@@ -80,6 +80,10 @@ class Fleet(abc.ABC):
     # both before `start`, an elastic fleet changes them when it changes size.
     self.group_starts: list[int] = list(range(num_servers))
     self.closed_segments: list = []
+    # What servers that left the fleet at a change of its shape gave in their last answers:
+    # their drops and their reward pools' counts (`keep_leaving`).
+    self.left_drops: list = []
+    self.left_rewards: dict[str, int] = {}
     self._lock = threading.RLock()
 
   # ---- driven by the loop -------------------------------------------------------------------
@@ -157,9 +161,18 @@ class Fleet(abc.ABC):
         out[f"{role}/idle_ratio"] = sum(t[f"{role}/idle_ratio"] for t in timers) / len(timers)
     return out
 
+  def keep_leaving(self, health: dict) -> None:
+    """Keeps the drops and reward counts of a server's last answer (`health`) as it leaves the
+    fleet at a change of shape: its work is re-dealt, but what it dropped and scored stays in
+    the run's totals."""
+    self.left_drops.extend(tuple(entry) for entry in health.get("drops", []))
+    for name, count in health.get("reward_counts", {}).items():
+      self.left_rewards[name] = self.left_rewards.get(name, 0) + int(count)
+
   def reward_counts(self) -> dict[str, int]:
-    """`reward/<outcome>` and `reward/retries` of the servers' reward pools, summed."""
-    totals: dict[str, int] = {}
+    """`reward/<outcome>` and `reward/retries` of the servers' reward pools, summed (those of
+    servers that left at a change of shape included)."""
+    totals = {f"reward/{name}": count for name, count in self.left_rewards.items()}
     for health in self.last_health:
       for name, count in health.get("reward_counts", {}).items():
         totals[f"reward/{name}"] = totals.get(f"reward/{name}", 0) + int(count)
@@ -167,8 +180,10 @@ class Fleet(abc.ABC):
 
   def drop_log(self) -> list:
     """After `stop`: every server's drops, as (reason, sample uids) for the sample ledger. A
-    replaced server's work was re-issued to its successor, so only the last servers' count."""
-    return [tuple(entry) for health in self.last_health for entry in health.get("drops", [])]
+    replaced server's work was re-issued to its successor, so only the last servers' count,
+    and those of servers that left at a change of shape."""
+    return self.left_drops + [tuple(entry) for health in self.last_health
+                              for entry in health.get("drops", [])]
 
   def next_group_ids(self) -> list[int]:
     """After `stop`: each server's next group id, from its last health answer."""

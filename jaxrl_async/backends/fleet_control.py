@@ -56,3 +56,16 @@ def take(path: str) -> str | None:
     text = f.read()
   os.remove(taken)
   return text
+
+
+def read(path: str | None, num_servers: int, log=print) -> tuple[int, list[int]]:
+  """(servers to add, servers to retire) of the control file at `path` for a fleet of
+  `num_servers`, the file taken (`take`) and each line that cannot be applied logged; (0, [])
+  when there is no file."""
+  text = None if path is None else take(path)
+  if text is None:
+    return 0, []
+  adds, retires, problems = parse(text, num_servers)
+  for problem in problems:
+    log(f"{CONTROL_FILE}: ignored {problem}")
+  return adds, retires

@@ -18,6 +18,8 @@ servers, which re-issue each exactly once under its old group id (inside a close
 
 from __future__ import annotations
 
+import dataclasses
+
 from jaxrl_async.tasks.prompt_stream import redeal_prompts
 
 
@@ -92,3 +94,51 @@ def resized_restores(rollout: dict, prompts: list, count: int) -> tuple[list[dic
     return restores, segments, [int(server["next_group_id"]) for server in servers]
   base = id_base(segments)
   return redeal(restores, count, base), segments, [base + k for k in range(count)]
+
+
+# ---- a change of shape during a run (an elastic fleet) --------------------------------------
+RESHAPE_REASONS = ("server_retired", "fleet_resized")
+
+
+@dataclasses.dataclass(frozen=True)
+class NewShape:
+  """A fleet shape dealt from the old servers' work: each new server's restore, the group-id
+  segments of the shapes that ended, the new servers' first group ids, the re-issues counted."""
+
+  restores: list[dict]
+  closed_segments: list
+  group_starts: list[int]
+  reissued: dict[str, int]
+
+
+def zero_counts() -> dict[str, int]:
+  """The elastic fleet's counts before any change of shape (reported from the start)."""
+  counts = {f"runtime/reissued_{kind}/{reason}": 0
+            for kind in ("groups", "samples") for reason in RESHAPE_REASONS}
+  return {**counts, "fleet/adds": 0, "fleet/retires": 0}
+
+
+def reissue_counts(orphans: list[dict], retires: list[int]) -> dict[str, int]:
+  """The groups and samples the old servers left unfinished (`orphans`, in old server order),
+  by reason: 'server_retired' for the servers in `retires`, 'fleet_resized' for the others."""
+  counts = {key: value for key, value in zero_counts().items() if key.startswith("runtime/")}
+  for index, orphan in enumerate(orphans):
+    reason = "server_retired" if index in retires else "fleet_resized"
+    inflight = orphan["rollout"]["inflight"]
+    counts[f"runtime/reissued_groups/{reason}"] += len(inflight)
+    counts[f"runtime/reissued_samples/{reason}"] += sum(len(e["missing"]) for e in inflight)
+  return counts
+
+
+def new_shape(orphans: list[dict], retires: list[int], closed: list, starts: list[int],
+              count: int) -> NewShape:
+  """`count` servers' shape from the old ones' `orphans` (each `{'rollout': {'inflight',
+  'next_group_id'}, 'prompts'}`: unfinished groups, next group id, prompt position; old server
+  order), the segments of shapes that ended (`closed`) and where the old servers' ids started
+  (`starts`)."""
+  nexts = [int(orphan["rollout"]["next_group_id"]) for orphan in orphans]
+  segments = close(closed, starts, nexts)
+  base = id_base(segments)
+  return NewShape(restores=redeal(orphans, count, base), closed_segments=segments,
+                  group_starts=[base + k for k in range(count)],
+                  reissued=reissue_counts(orphans, retires))

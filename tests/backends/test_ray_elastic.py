@@ -13,9 +13,9 @@ import pytest
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 ray = pytest.importorskip("ray")
 
+from jaxrl_async.backends.fleet_shape import new_shape  # noqa: E402
 from jaxrl_async.backends.ray import buffer as ray_buffer  # noqa: E402
 from jaxrl_async.backends.ray.links import ActorLink  # noqa: E402
-from jaxrl_async.backends.ray.reshape import new_shape  # noqa: E402
 from jaxrl_async.run.build import buffer_kwargs  # noqa: E402
 from tests.backends.elastic import (  # noqa: E402
   BackgroundRun,

@@ -1,12 +1,12 @@
 """The 'ray' fleet's change of shape, without Ray: the old actors' work dealt to the new shape
-(`reshape.new_shape`), and the claim book releasing a server and starting the new shape's
+(`fleet_shape.new_shape`), and the claim book releasing a server and starting the new shape's
 servers from their shares, admissions held, with Ray restarts claiming as before."""
 
 import pytest
 
 from jaxrl_async.backends import fleet_shape
+from jaxrl_async.backends.fleet_shape import new_shape, reissue_counts
 from jaxrl_async.backends.ray.claims import ClaimBook
-from jaxrl_async.backends.ray.reshape import new_shape, reissue_counts
 
 GROUP_SIZE = 2
 

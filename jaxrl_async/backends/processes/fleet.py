@@ -40,8 +40,8 @@ from jaxrl_async.backends.processes.buffer_service import BufferService, RemoteB
 from jaxrl_async.backends.processes.rollout_process import RolloutProcess
 from jaxrl_async.backends.rollout_server import first_start
 
-REISSUE_REASONS = ("server_died", "server_unresponsive", "load_deadline", "server_retired",
-                   "fleet_resized")
+# Re-issue reasons of replaced servers (those of a change of shape: fleet_shape.RESHAPE_REASONS).
+REISSUE_REASONS = ("server_died", "server_unresponsive", "load_deadline")
 REVOKE_TIMEOUT_S = 120.0
 SPAWN_TIMEOUT_S = 600.0
 
@@ -65,21 +65,17 @@ class ProcessFleet(Fleet):
     self.max_restarts = max_restarts
     self.status_path = status_path  # JSON: each server's pid, cores and client id
     self.control_path = control_path  # fleet_control.py: 'add' / 'retire K' lines
-    self._retired_drops: list = []  # drops of servers that left at a reshape
-    self._retired_rewards: dict[str, int] = {}  # their reward pools' counts
     self.servers: list[RolloutProcess | None] = [None] * self.num_servers
     self.client_ids: list[str] = [""] * self.num_servers
     self._generation = [0] * self.num_servers
     self._initial: list[dict] = [{}] * self.num_servers  # where each shard started
     self._paused = False
     self._restarts = 0
-    self._counts: dict[str, int] = {}
+    self._counts: dict[str, int] = fleet_shape.zero_counts()
     for reason in REISSUE_REASONS:
       self._counts[f"runtime/reissued_groups/{reason}"] = 0
       self._counts[f"runtime/reissued_samples/{reason}"] = 0
     self._counts["sync/load_deadline_missed"] = 0
-    self._counts["fleet/adds"] = 0
-    self._counts["fleet/retires"] = 0
     # Children die with the thread that spawned them (child.py): one thread spawns them all and
     # lives until `stop`, whichever thread asks for a replacement.
     self._spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fleet-spawner")
@@ -166,12 +162,7 @@ class ProcessFleet(Fleet):
     from the servers' state) the file waits for the next heartbeat."""
     if self._paused:
       return
-    text = None if self.control_path is None else fleet_control.take(self.control_path)
-    if text is None:
-      return
-    adds, retires, problems = fleet_control.parse(text, self.num_servers)
-    for problem in problems:
-      self.log(f"{fleet_control.CONTROL_FILE}: ignored {problem}")
+    adds, retires = fleet_control.read(self.control_path, self.num_servers, self.log)
     if adds or retires:
       self.reshape(adds, retires)
 
@@ -182,31 +173,33 @@ class ProcessFleet(Fleet):
       if count < 1:
         raise ValueError(f"reshape: retiring {retires} would leave no rollout server")
       self._each("pause", max(3 * self.heartbeat_timeout_s, 30.0))
-      nexts, servers = [], []
-      for index in range(self.num_servers):
-        orphan = self._take_down(index)
-        reason = "server_retired" if index in retires else "fleet_resized"
-        self._count_reissued(reason, orphan["inflight"])
-        initial = self._initial[index]
-        nexts.append(orphan["next_group_id"] if orphan["next_group_id"] is not None
-                     else initial["next_group_id"])
-        servers.append({"rollout": {"inflight": orphan["inflight"]},
-                        "prompts": (orphan["prompt_state"] if orphan["prompt_state"] is not None
-                                    else initial["prompts"])})
-      self.closed_segments = fleet_shape.close(self.closed_segments, self.group_starts, nexts)
-      base = fleet_shape.id_base(self.closed_segments)
-      restores = fleet_shape.redeal(servers, count, base)
+      orphans = [self._orphan(index, self._take_down(index)) for index in range(self.num_servers)]
+      shape = fleet_shape.new_shape(orphans, retires, self.closed_segments, self.group_starts,
+                                    count)
+      for key, value in shape.reissued.items():
+        self._counts[key] += value
       self._counts["fleet/adds"] += adds
       self._counts["fleet/retires"] += len(retires)
       self.log(f"rollout fleet: {self.num_servers} -> {count} servers (added {adds}, retired "
-               f"{sorted(retires)}); {sum(len(s['rollout']['inflight']) for s in servers)} "
+               f"{sorted(retires)}); {sum(len(o['rollout']['inflight']) for o in orphans)} "
                "groups re-issued")
       self._resize(count)
-      self.group_starts = [base + k for k in range(count)]
-      for index, restore in enumerate(restores):
+      self.closed_segments, self.group_starts = shape.closed_segments, shape.group_starts
+      for index, restore in enumerate(shape.restores):
         self._initial[index] = {"prompts": restore["prompts"],
                                 "next_group_id": restore["rollout"]["next_group_id"]}
         self._spawn(index, restore)
+
+  def _orphan(self, index: int, revoked: dict) -> dict:
+    """What server `index` left (`revoked` from the buffer service) as `fleet_shape` deals it;
+    a server that never drew keeps the position it started from."""
+    initial = self._initial[index]
+    return {"rollout": {"inflight": revoked["inflight"],
+                        "next_group_id": (revoked["next_group_id"]
+                                          if revoked["next_group_id"] is not None
+                                          else initial["next_group_id"])},
+            "prompts": (revoked["prompt_state"] if revoked["prompt_state"] is not None
+                        else initial["prompts"])}
 
   def _take_down(self, index: int) -> dict:
     """Server `index`, paused: its last health kept (counts, drops), then killed and its
@@ -216,9 +209,7 @@ class ProcessFleet(Fleet):
       health = server.health(self.heartbeat_timeout_s)
       self.last_health[index] = health
       keep_spans(self.pending_spans, health)
-      self._retired_drops.extend(tuple(entry) for entry in health.get("drops", []))
-      for name, count in health.get("reward_counts", {}).items():
-        self._retired_rewards[name] = self._retired_rewards.get(name, 0) + int(count)
+      self.keep_leaving(health)
     except (wire.ServiceTimeout, wire.ServiceGone, EOFError, OSError) as error:
       self.log(f"rollout server {index} gave no last health before leaving ({error!r})")
     server.kill()
@@ -239,17 +230,6 @@ class ProcessFleet(Fleet):
     self._counts[f"runtime/reissued_groups/{reason}"] += len(inflight)
     self._counts[f"runtime/reissued_samples/{reason}"] += sum(len(e["missing"])
                                                             for e in inflight)
-
-  def reward_counts(self) -> dict[str, int]:
-    """As `Fleet.reward_counts`, with the reward pools of servers that left at a reshape."""
-    totals = super().reward_counts()
-    for name, count in self._retired_rewards.items():
-      totals[f"reward/{name}"] = totals.get(f"reward/{name}", 0) + count
-    return totals
-
-  def drop_log(self) -> list:
-    """As `Fleet.drop_log`, with the drops of servers that left at a reshape."""
-    return self._retired_drops + super().drop_log()
 
   def _check_servers(self) -> None:
     with self._lock:

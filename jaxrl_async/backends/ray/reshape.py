@@ -18,56 +18,11 @@ Ray and claims its first incarnation's work as before. Metrics: `fleet/size` (th
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-from jaxrl_async.backends import fleet_control, fleet_shape
+from jaxrl_async.backends import fleet_control
+from jaxrl_async.backends.fleet_shape import new_shape, zero_counts
 from jaxrl_async.backends.ray.actor import RESTART_WAIT_S
-
-RESHAPE_REASONS = ("server_retired", "fleet_resized")
-
-
-@dataclasses.dataclass(frozen=True)
-class NewShape:
-  """A fleet shape dealt from the old actors' work: each new actor's restore, the group-id
-  segments of the shapes that ended, the new actors' first group ids, the re-issues counted."""
-
-  restores: list[dict]
-  closed_segments: list
-  group_starts: list[int]
-  reissued: dict[str, int]
-
-
-def zero_counts() -> dict[str, int]:
-  """The elastic fleet's counts before any change of shape (reported from the start)."""
-  counts = {f"runtime/reissued_{kind}/{reason}": 0
-            for kind in ("groups", "samples") for reason in RESHAPE_REASONS}
-  return {**counts, "fleet/adds": 0, "fleet/retires": 0}
-
-
-def reissue_counts(orphans: list[dict], retires: list[int]) -> dict[str, int]:
-  """The groups and samples the old actors left unfinished (`orphans`, in old actor order), by
-  reason: 'server_retired' for the actors in `retires`, 'fleet_resized' for the others."""
-  counts = {key: value for key, value in zero_counts().items() if key.startswith("runtime/")}
-  for index, orphan in enumerate(orphans):
-    reason = "server_retired" if index in retires else "fleet_resized"
-    inflight = orphan["rollout"]["inflight"]
-    counts[f"runtime/reissued_groups/{reason}"] += len(inflight)
-    counts[f"runtime/reissued_samples/{reason}"] += sum(len(e["missing"]) for e in inflight)
-  return counts
-
-
-def new_shape(orphans: list[dict], retires: list[int], closed: list, starts: list[int],
-              count: int) -> NewShape:
-  """`count` actors' shape from the old ones' `orphans` (`ClaimBook.release`: unfinished
-  groups, next group id, prompt position; old actor order), the segments of shapes that ended
-  (`closed`) and where the old actors' ids started (`starts`)."""
-  nexts = [int(orphan["rollout"]["next_group_id"]) for orphan in orphans]
-  segments = fleet_shape.close(closed, starts, nexts)
-  base = fleet_shape.id_base(segments)
-  return NewShape(restores=fleet_shape.redeal(orphans, count, base), closed_segments=segments,
-                  group_starts=[base + k for k in range(count)],
-                  reissued=reissue_counts(orphans, retires))
 
 
 class Reshaping:
@@ -80,8 +35,6 @@ class Reshaping:
     self.control_path = control_path  # fleet_control.py: 'add' / 'retire K' lines
     self._paused = False
     self._reshape_counts = zero_counts()
-    self._retired_drops: list = []  # drops of actors that left at a reshape
-    self._retired_rewards: dict[str, int] = {}  # their reward pools' counts
 
   def _apply_control(self) -> None:
     """The control file's commands; while paused (a checkpoint or an evaluation is being made
@@ -89,12 +42,7 @@ class Reshaping:
     with self._lock:
       if self._paused or self.control_path is None:
         return
-      text = fleet_control.take(self.control_path)
-      if text is None:
-        return
-      adds, retires, problems = fleet_control.parse(text, self.num_servers)
-      for problem in problems:
-        self.log(f"{fleet_control.CONTROL_FILE}: ignored {problem}")
+      adds, retires = fleet_control.read(self.control_path, self.num_servers, self.log)
       if adds or retires:
         self.reshape(adds, retires)
 
@@ -130,9 +78,7 @@ class Reshaping:
     try:
       health = self._call(index, "health", self.heartbeat_timeout_s)
       self._take_answer(index, health)
-      self._retired_drops.extend(tuple(entry) for entry in health.get("drops", []))
-      for name, count in health.get("reward_counts", {}).items():
-        self._retired_rewards[name] = self._retired_rewards.get(name, 0) + int(count)
+      self.keep_leaving(health)
     except Exception as error:  # its counts since the last heartbeat are lost: reported
       self.log(f"rollout actor {index} gave no last health before leaving ({error!r})")
     self.ray.kill(self.actors[index], no_restart=True)
@@ -156,14 +102,3 @@ class Reshaping:
     """While paused: every actor's snapshot (groups in flight, next group id, prompts)."""
     with self._lock:
       return self._each("snapshot", timeout)
-
-  def reward_counts(self) -> dict[str, int]:
-    """As `Fleet.reward_counts`, with the reward pools of actors that left at a reshape."""
-    totals = super().reward_counts()
-    for name, count in self._retired_rewards.items():
-      totals[f"reward/{name}"] = totals.get(f"reward/{name}", 0) + count
-    return totals
-
-  def drop_log(self) -> list:
-    """As `Fleet.drop_log`, with the drops of actors that left at a reshape."""
-    return self._retired_drops + super().drop_log()
