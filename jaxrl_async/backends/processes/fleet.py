@@ -10,14 +10,10 @@ prompt shard and re-issues its unfinished groups, each exactly once: they are co
 `RunConfig.sync_load_deadline_s`, counted `sync/load_deadline_missed`). A server that reports an
 error of its own role stops the run with that error: restarting it would only repeat it.
 
-The fleet is elastic: `reshape` (asked by `<run_dir>/fleet_control`, `fleet_control.py`, read
-at the heartbeat) adds servers and retires some. Every server pauses at a decode-step boundary
-(every rewarded sample in the buffer), answers a last health (its counts and drops are kept), is
-killed and its buffer client revoked; the prompts none of them drew and their unfinished groups
-are re-dealt to the new fleet (`backends.fleet_shape`), each group re-issued exactly once
-(`runtime/reissued_groups/server_retired` for a retired server's, `.../fleet_resized` for the
-others'), and new group ids start above every id drawn so far. Metrics: `fleet/size`,
-`fleet/adds`, `fleet/retires`.
+The fleet is elastic (`backends.elastic.Elastic`: `<run_dir>/fleet_control` read at the
+heartbeat): a leaving server, paused and answered, is killed and its buffer client revoked,
+which returns its unfinished groups and prompt position; the new shape's servers are new
+processes.
 """
 
 from __future__ import annotations
@@ -27,7 +23,6 @@ import json
 import os
 from typing import Any
 
-from jaxrl_async.backends import fleet_control, fleet_shape
 from jaxrl_async.backends.base import (
   Fleet,
   RoleFailed,
@@ -35,6 +30,7 @@ from jaxrl_async.backends.base import (
   load_overdue,
   warn_unscored,
 )
+from jaxrl_async.backends.elastic import Elastic
 from jaxrl_async.backends.processes import child, wire
 from jaxrl_async.backends.processes.buffer_service import BufferService, RemoteBufferClient
 from jaxrl_async.backends.processes.rollout_process import RolloutProcess
@@ -50,7 +46,7 @@ class RolloutServerFailed(RoleFailed):
   """A rollout server's role raised, or servers kept dying past `max_restarts`."""
 
 
-class ProcessFleet(Fleet):
+class ProcessFleet(Elastic, Fleet):
   """K `RolloutProcess`es, kept answering by the heartbeat (`check`)."""
 
   def __init__(self, config, service: BufferService, channel_spec: dict, *,
@@ -64,14 +60,13 @@ class ProcessFleet(Fleet):
     self.heartbeat_timeout_s = heartbeat_timeout_s
     self.max_restarts = max_restarts
     self.status_path = status_path  # JSON: each server's pid, cores and client id
-    self.control_path = control_path  # fleet_control.py: 'add' / 'retire K' lines
+    self._init_elastic(control_path)
     self.servers: list[RolloutProcess | None] = [None] * self.num_servers
     self.client_ids: list[str] = [""] * self.num_servers
     self._generation = [0] * self.num_servers
     self._initial: list[dict] = [{}] * self.num_servers  # where each shard started
-    self._paused = False
     self._restarts = 0
-    self._counts: dict[str, int] = fleet_shape.zero_counts()
+    self._counts: dict[str, int] = {}
     for reason in REISSUE_REASONS:
       self._counts[f"runtime/reissued_groups/{reason}"] = 0
       self._counts[f"runtime/reissued_samples/{reason}"] = 0
@@ -86,7 +81,7 @@ class ProcessFleet(Fleet):
 
   @property
   def counts(self) -> dict[str, int]:
-    return dict(self._counts)
+    return {**self._counts, **self.elastic_counts}
 
   # ---- lifecycle ------------------------------------------------------------------------------
   def start(self, restores: list[dict | None]) -> None:
@@ -157,38 +152,13 @@ class ProcessFleet(Fleet):
       self._check_servers()
       self._apply_control()
 
-  def _apply_control(self) -> None:
-    """The control file's commands; while paused (a checkpoint or an evaluation is being made
-    from the servers' state) the file waits for the next heartbeat."""
-    if self._paused:
-      return
-    adds, retires = fleet_control.read(self.control_path, self.num_servers, self.log)
-    if adds or retires:
-      self.reshape(adds, retires)
-
-  def reshape(self, adds: int, retires: list[int]) -> None:
-    """Adds `adds` servers and retires servers `retires` (module docstring)."""
-    with self._lock:
-      count = self.num_servers + adds - len(retires)
-      if count < 1:
-        raise ValueError(f"reshape: retiring {retires} would leave no rollout server")
-      self._each("pause", max(3 * self.heartbeat_timeout_s, 30.0))
-      orphans = [self._orphan(index, self._take_down(index)) for index in range(self.num_servers)]
-      shape = fleet_shape.new_shape(orphans, retires, self.closed_segments, self.group_starts,
-                                    count)
-      for key, value in shape.reissued.items():
-        self._counts[key] += value
-      self._counts["fleet/adds"] += adds
-      self._counts["fleet/retires"] += len(retires)
-      self.log(f"rollout fleet: {self.num_servers} -> {count} servers (added {adds}, retired "
-               f"{sorted(retires)}); {sum(len(o['rollout']['inflight']) for o in orphans)} "
-               "groups re-issued")
-      self._resize(count)
-      self.closed_segments, self.group_starts = shape.closed_segments, shape.group_starts
-      for index, restore in enumerate(shape.restores):
-        self._initial[index] = {"prompts": restore["prompts"],
-                                "next_group_id": restore["rollout"]["next_group_id"]}
-        self._spawn(index, restore)
+  def _start_shape(self, restores: list[dict]) -> None:
+    """Processes for the new shape's servers (`Elastic.reshape`)."""
+    self._resize(len(restores))
+    for index, restore in enumerate(restores):
+      self._initial[index] = {"prompts": restore["prompts"],
+                              "next_group_id": restore["rollout"]["next_group_id"]}
+      self._spawn(index, restore)
 
   def _orphan(self, index: int, revoked: dict) -> dict:
     """What server `index` left (`revoked` from the buffer service) as `fleet_shape` deals it;
@@ -203,7 +173,7 @@ class ProcessFleet(Fleet):
 
   def _take_down(self, index: int) -> dict:
     """Server `index`, paused: its last health kept (counts, drops), then killed and its
-    client revoked -> its unfinished groups and prompt position."""
+    client revoked -> its unfinished groups and prompt position (`_orphan`)."""
     server = self.servers[index]
     try:
       health = server.health(self.heartbeat_timeout_s)
@@ -214,7 +184,7 @@ class ProcessFleet(Fleet):
       self.log(f"rollout server {index} gave no last health before leaving ({error!r})")
     server.kill()
     self.retire(index)
-    return self.service.revoke(self.client_ids[index], REVOKE_TIMEOUT_S)
+    return self._orphan(index, self.service.revoke(self.client_ids[index], REVOKE_TIMEOUT_S))
 
   def _resize(self, count: int) -> None:
     """The per-server lists for `count` servers (their processes not started yet)."""
@@ -268,23 +238,6 @@ class ProcessFleet(Fleet):
         else:
           raise RolloutServerFailed(f"rollout server {index} did not answer {method}")
     return results
-
-  def pause(self, timeout: float | None = None) -> None:
-    """Pauses every server; one that does not pause within `timeout` (default: 3 heartbeat
-    timeouts, at least 30 s) is replaced as unresponsive."""
-    timeout = max(3 * self.heartbeat_timeout_s, 30.0) if timeout is None else timeout
-    with self._lock:
-      self._each("pause", timeout)
-      self._paused = True
-
-  def resume(self, timeout: float = 30.0) -> None:
-    with self._lock:
-      self._paused = False
-      self._each("resume", timeout)
-
-  def snapshots(self, timeout: float = 30.0) -> list[dict]:
-    """While paused: every server's snapshot (groups in flight, next group id, prompts)."""
-    return self._each("snapshot", timeout)
 
   def stop(self, timeout: float = 60.0) -> None:
     """Stops every server (each counts what it aborts as 'shutdown') and reaps them all. A

@@ -90,7 +90,7 @@ class RayFleet(Reshaping, Fleet):
     self._actor_class = self.ray.remote(RolloutActorImpl)
     self._load_deadline_missed = 0
     self._started = False
-    self._init_reshaping(control_path)
+    self._init_elastic(control_path)
     self._resize(self.num_servers)
 
   def _resize(self, count: int) -> None:
@@ -109,7 +109,7 @@ class RayFleet(Reshaping, Fleet):
 
   @property
   def counts(self) -> dict[str, int]:
-    return {**self.book.reissue_counts(), **self._reshape_counts,
+    return {**self.book.reissue_counts(), **self.elastic_counts,
             "sync/load_deadline_missed": self._load_deadline_missed}
 
   def _get(self, ref, timeout: float = 60.0):
