@@ -112,7 +112,11 @@ def test_a_hang_at_each_point_and_in_each_backend_ends_the_run_within_its_bound(
   The Ray cluster starts meanwhile."""
   # The weight store's points fire only with sync_backend='store' (tests/sync/, tests/backends/).
   store_only = {"sync.stage", "sync.load"}
-  assert {point for _, point, _, _ in CASES} == set(faults.POINTS) - {"reward.call"} - store_only
+  # A rollout server hung at its stop comes after the run's last version: the run ends normally
+  # (tests/backends/test_processes_stop_lost.py).
+  at_the_end = {"rollout.stop"}
+  assert {point for _, point, _, _ in CASES} == (set(faults.POINTS) - {"reward.call"}
+                                                 - store_only - at_the_end)
   with_ray = importlib.util.find_spec("ray") is not None
   if not with_ray:
     warnings.warn("ray is not installed: the Ray backend's hang cases do not run", stacklevel=1)

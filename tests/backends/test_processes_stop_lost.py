@@ -1,7 +1,8 @@
-"""A processes-backend rollout server that dies when the run stops it (`rollout.stop=kill`)
-gives no last answer; the fleet accounts for it from the buffer's record of its client, so the
-run's ledger still knows every group it started (before, the groups it drew after its last
-heartbeat were unknown to the audit)."""
+"""A processes-backend rollout server that dies when the run stops it (`rollout.stop=kill`), or
+hangs there (`rollout.stop=hang`: killed when its stop times out), gives no last answer; the
+fleet accounts for it from the buffer's record of its client, so the run's ledger still knows
+every group it started (before, the groups it drew after its last heartbeat were unknown to the
+audit), and the run ends normally."""
 
 from __future__ import annotations
 
@@ -28,16 +29,20 @@ def test_a_lost_server_answer_takes_the_buffers_group_ids_and_drops_its_unfinish
 
 
 @pytest.mark.slow
-def test_servers_killed_at_the_stop_leave_a_clean_audit(tmp_path):
+# A hung server's stop times out (60 s) before it is killed: one server there.
+@pytest.mark.parametrize("action,servers", [("kill", 2), ("hang", 1)])
+def test_servers_lost_at_the_stop_leave_a_clean_audit(tmp_path, action, servers):
   run_dir = tmp_path / "run"
   bindings = run_lives.TINY_BINDINGS + ("RunConfig.backend = 'processes'",
-                                        "RunConfig.num_rollout_servers = 2",
+                                        f"RunConfig.num_rollout_servers = {servers}",
                                         "RunConfig.total_samples = 64")
   process = run_lives.start(run_dir, "gin/modes/async_partial.gin", bindings,
-                            faults_plan="rollout.stop=kill")
+                            faults_plan=f"rollout.stop={action}")
   code, out, err, _ = run_lives.finish(process, 600)
   assert code == 0, f"{out[-2000:]}\n{err[-4000:]}"
-  assert err.count("kill at fault point rollout.stop") == 2, err[-4000:]
+  assert err.count(f"{action} at fault point rollout.stop") == servers, err[-4000:]
+  if action == "hang":  # the stop timed out, then the server was killed
+    assert "did not stop cleanly" in out + err, (out + err)[-4000:]
   summary = json.loads((run_dir / "summary.json").read_text())
   assert summary["ledger/consumed"] == 64
   assert (summary["ledger/missing"], summary["ledger/duplicates"],
