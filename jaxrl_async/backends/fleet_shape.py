@@ -130,6 +130,18 @@ def reissue_counts(orphans: list[dict], retires: list[int]) -> dict[str, int]:
   return counts
 
 
+def orphan(revoked: dict, initial: dict) -> dict:
+  """A leaving server's work as `new_shape` deals it: `revoked` (the buffer's record of its
+  client: `inflight`, `next_group_id`, `prompt_state`), where it started (`initial`:
+  `next_group_id`, `prompts`) standing in for what a server that never drew did not record."""
+  return {"rollout": {"inflight": revoked["inflight"],
+                      "next_group_id": (revoked["next_group_id"]
+                                        if revoked["next_group_id"] is not None
+                                        else initial["next_group_id"])},
+          "prompts": (revoked["prompt_state"] if revoked["prompt_state"] is not None
+                      else initial["prompts"])}
+
+
 def new_shape(orphans: list[dict], retires: list[int], closed: list, starts: list[int],
               count: int) -> NewShape:
   """`count` servers' shape from the old ones' `orphans` (each `{'rollout': {'inflight',

@@ -23,6 +23,7 @@ import json
 import os
 from typing import Any
 
+from jaxrl_async.backends import fleet_shape
 from jaxrl_async.backends.base import (
   Fleet,
   RoleFailed,
@@ -160,20 +161,9 @@ class ProcessFleet(Elastic, Fleet):
                               "next_group_id": restore["rollout"]["next_group_id"]}
       self._spawn(index, restore)
 
-  def _orphan(self, index: int, revoked: dict) -> dict:
-    """What server `index` left (`revoked` from the buffer service) as `fleet_shape` deals it;
-    a server that never drew keeps the position it started from."""
-    initial = self._initial[index]
-    return {"rollout": {"inflight": revoked["inflight"],
-                        "next_group_id": (revoked["next_group_id"]
-                                          if revoked["next_group_id"] is not None
-                                          else initial["next_group_id"])},
-            "prompts": (revoked["prompt_state"] if revoked["prompt_state"] is not None
-                        else initial["prompts"])}
-
   def _take_down(self, index: int) -> dict:
     """Server `index`, paused: its last health kept (counts, drops), then killed and its
-    client revoked -> its unfinished groups and prompt position (`_orphan`)."""
+    client revoked -> its unfinished groups and prompt position (`fleet_shape.orphan`)."""
     server = self.servers[index]
     try:
       health = server.health(self.heartbeat_timeout_s)
@@ -184,7 +174,8 @@ class ProcessFleet(Elastic, Fleet):
       self.log(f"rollout server {index} gave no last health before leaving ({error!r})")
     server.kill()
     self.retire(index)
-    return self._orphan(index, self.service.revoke(self.client_ids[index], REVOKE_TIMEOUT_S))
+    return fleet_shape.orphan(self.service.revoke(self.client_ids[index], REVOKE_TIMEOUT_S),
+                              self._initial[index])
 
   def _resize(self, count: int) -> None:
     """The per-server lists for `count` servers (their processes not started yet)."""

@@ -16,6 +16,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from jaxrl_async.backends import fleet_shape
+
 REVOKE_TIMEOUT_S = 120.0  # a dead client's calls still running in the service end by then
 REISSUE_REASONS = ("actor_restarted", "server_unresponsive")
 
@@ -83,15 +85,8 @@ class ClaimBook:
   def _revoke(self, index: int, client_id: str) -> dict[str, Any]:
     """Client `client_id` of server `index` revoked: its unfinished groups (admissions held)
     and prompt position, where its shard started when it left none."""
-    orphan = self.service.revoke(client_id, REVOKE_TIMEOUT_S)
-    inflight = orphan["inflight"]
-    initial = self._initial[index]
-    next_group_id = (orphan["next_group_id"] if orphan["next_group_id"] is not None
-                     else initial["next_group_id"])
-    prompts = (orphan["prompt_state"] if orphan["prompt_state"] is not None
-               else initial["prompts"])
-    return {"rollout": {"inflight": inflight, "next_group_id": next_group_id},
-            "prompts": prompts}
+    return fleet_shape.orphan(self.service.revoke(client_id, REVOKE_TIMEOUT_S),
+                              self._initial[index])
 
   def set_restores(self, restores: list) -> None:
     """The driver's fleet starts: what each rollout server starts from (a checkpoint's
