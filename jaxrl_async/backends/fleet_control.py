@@ -4,7 +4,7 @@
 `<run_dir>/fleet_control` holds one command a line: `add` (one more server) or `retire K`
 (server K of the current fleet leaves). The fleet reads the file at its heartbeat (not while
 paused for a checkpoint or an evaluation), removes it and applies its lines together as one
-change of the fleet's shape (`ProcessFleet.reshape`, `ray.reshape.Reshaping.reshape`). A
+change of the fleet's shape (`backends.elastic.Elastic.reshape`). A
 line it cannot apply is named in the run's log and ignored; nothing else changes for it.
 Write the file whole (write another name, then rename it onto `fleet_control`) so that a
 heartbeat never reads half a line.

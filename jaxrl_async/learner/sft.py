@@ -79,10 +79,13 @@ def warm_start(task, model_config: ModelConfig, config: WarmStartConfig, mesh, *
   """Train a base policy on the task's reference answers; returns params. It starts from a
   random init, or from `initial_params` (e.g. a Hugging Face checkpoint's, of `model_config`'s
   structure)."""
-  model = init_model(model_config, config.seed)
-  graphdef, params = split_model(model)
-  if initial_params is not None:
-    if jax.tree.structure(initial_params) != jax.tree.structure(params):
+  if initial_params is None:
+    model = init_model(model_config, config.seed)
+    graphdef, params = split_model(model)
+  else:  # the structure only: no random weights made beside the given ones
+    model = jax.eval_shape(lambda: init_model(model_config, config.seed))
+    graphdef, abstract = split_model(model)
+    if jax.tree.structure(initial_params) != jax.tree.structure(abstract):
       raise ValueError("warm_start: initial_params do not have the structure of model_config's "
                        "params")
     params = initial_params
