@@ -36,7 +36,8 @@ from benchmarks.modes import run_mode
 from jaxrl_async import compilation_cache
 
 BACKENDS = ("threads", "processes", "ray")
-HANDOFF_KEYS = ("handoff/publish_to_take_s_p50", "handoff/publish_to_take_s_p99",
+HANDOFF_KEYS = ("handoff/publish_to_work_s_p50", "handoff/publish_to_work_s_p99",
+                "handoff/publish_to_take_s_p50", "handoff/publish_to_take_s_p99",
                 "handoff/publish_to_enqueue_s_p50", "handoff/publish_to_enqueue_s_p99")
 
 

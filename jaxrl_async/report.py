@@ -5,7 +5,9 @@
 Reads each run directory's metrics.jsonl, summary.json and spans.jsonl (what `sinks` writes) and
 draws, with matplotlib's Agg backend (`pip install -e '.[plot]'`):
   curves.png        held-out accuracy and training reward against wall-clock and against samples;
-  timeline.png      each role's busy spans over a window of policy versions (a Gantt chart);
+  timeline.png      each role's busy spans over a window of policy versions (a Gantt chart), with
+                    each version's hand-off marked: the rollout's first work under it, its
+                    first sample in the buffer and the learner's first take of one;
   version_gap.png   the share of consumed tokens per version gap;
   queue_depth.png   samples queued in the buffer against wall-clock;
   idle_ratios.png   each role's idle ratio over the whole run;
@@ -110,6 +112,32 @@ def timeline_window(run: Run, width: int) -> tuple[int, int] | None:
   return covered[start], covered[min(start + width, len(covered) - 1)]
 
 
+HANDOFF_MARKS = (("publish_to_work_s", "first work", "v"),
+                 ("publish_to_enqueue_s", "first in buffer", "o"),
+                 ("publish_to_take_s", "first taken", "s"))
+
+
+def handoff_marks(run: Run, window: tuple[int, int]) -> dict[str, list[float]]:
+  """For each hand-off instant, its run-clock times for the versions in `window`: when the
+  version's publish began (the start of the last `sync` span at or before its boundary; the
+  boundary itself without one) plus its interval. A record carries the intervals of the version
+  before its own."""
+  boundaries = run.boundaries
+  publish_starts = sorted(start for role, start, _ in run.spans if role == "sync")
+  marks: dict[str, list[float]] = {name: [] for name, _, _ in HANDOFF_MARKS}
+  for record in run.versions:
+    version = int(record["policy_version"]) - 1
+    if not window[0] <= version <= window[1] or version not in boundaries:
+      continue
+    began = max((t for t in publish_starts if t <= boundaries[version] + 1e-9),
+                default=boundaries[version])
+    for name, _, _ in HANDOFF_MARKS:
+      interval = record.get(f"handoff/{name}")
+      if interval is not None:
+        marks[name].append(began + float(interval))
+  return marks
+
+
 # ---- figures --------------------------------------------------------------------------------
 def _pyplot():
   try:
@@ -177,6 +205,13 @@ def plot_timeline(plt, runs, path, width):
       bars = [(max(s, begin), min(e, end) - max(s, begin)) for r, s, e in run.spans
               if r == role and e > begin and s < end]
       ax.broken_barh(bars, (row - 0.4, 0.8), color=ROLE_COLORS[role])
+    marks = handoff_marks(run, window)
+    for name, label, marker in HANDOFF_MARKS:
+      if marks[name]:
+        ax.plot(marks[name], [len(ROLES) - 0.5] * len(marks[name]), marker, color="black",
+                ms=4, ls="none", label=f"hand-off: {label}")
+    if any(marks.values()):
+      ax.legend(loc="lower right", fontsize=7, ncol=3)
     for version in range(window[0], window[1] + 1):
       if version in boundaries:
         ax.axvline(boundaries[version], color="black", lw=0.8, ls="--")

@@ -6,7 +6,9 @@ partial rollouts and drops are observable after the fact:
 - `token_versions[t]` is the policy version that generated response token t;
 - `behaviour_logprobs[t]` is log pi_behaviour(token t | prefix) under that version, at the
   sampling temperature;
-- `timestamps` holds one wall-clock time (time.time()) per stage it passed.
+- `timestamps` holds one wall-clock time (time.time()) per stage it passed, and for each policy
+  version that drew some of its tokens, when the decode call that drew the first of them began
+  (`version_began_key`).
 
 Samples are plain host data (numpy arrays, Python scalars): they are moved between threads,
 processes and checkpoints, never traced by jax.
@@ -22,6 +24,12 @@ import numpy as np
 
 # Stages a sample passes, in order; each gets a timestamp in `Sample.timestamps`.
 STAGES = ("created", "generated", "rewarded", "enqueued", "consumed")
+_VERSION_BEGAN = "began_v"
+
+
+def version_began_key(version: int) -> str:
+  """The `timestamps` key of when the sample's first token of `version` began to be drawn."""
+  return f"{_VERSION_BEGAN}{int(version)}"
 
 
 class RewardStatus(str, enum.Enum):
@@ -121,6 +129,17 @@ class Sample:
     if stage not in STAGES:
       raise ValueError(f"unknown stage {stage!r}; stages are {STAGES}")
     self.timestamps[stage] = float(when)
+
+  def stamp_version_began(self, version: int, when: float) -> None:
+    """When the decode call that drew this sample's first token of `version` began; the first
+    stamp of a version is kept (a resumed sample draws more of it later)."""
+    self.timestamps.setdefault(version_began_key(version), float(when))
+
+  def versions_began(self) -> dict[int, float]:
+    """policy version -> when this sample's first token of it began to be drawn."""
+    n = len(_VERSION_BEGAN)
+    return {int(key[n:]): when for key, when in self.timestamps.items()
+            if key.startswith(_VERSION_BEGAN)}
 
   # ---- serialisation (checkpoints, queues between processes) ------------------------------
   def to_dict(self) -> dict[str, Any]:

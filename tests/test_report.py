@@ -122,6 +122,22 @@ def test_timeline_window_stays_within_the_recorded_spans(tmp_path):
   assert report.timeline_window(report.load_run(str(tmp_path / "b")), 4) is None
 
 
+def test_handoff_marks_sit_after_their_versions_boundary(tmp_path):
+  # The publishes of versions 1 and 2 began at 0.5 and 1.9 (the last sync span before each).
+  write_run(tmp_path, [(1, 1.0), (2, 2.0), (3, 3.0)], [("sync", 0.5, 0.6), ("sync", 1.9, 1.95),
+                                                        ("sync", 2.5, 2.6)])
+  run = report.load_run(str(tmp_path))
+  # The record of version 3 carries version 2's hand-off; version 2 has none recorded.
+  run.versions[2].update({"handoff/publish_to_work_s": 0.01, "handoff/publish_to_enqueue_s": 0.2,
+                          "handoff/publish_to_take_s": 0.5})
+  run.versions[1].update({"handoff/publish_to_work_s": 0.03})
+  marks = report.handoff_marks(run, (1, 2))
+  assert marks["publish_to_work_s"] == pytest.approx([0.53, 1.91])
+  assert marks["publish_to_enqueue_s"] == pytest.approx([2.1])
+  assert marks["publish_to_take_s"] == pytest.approx([2.4])
+  assert report.handoff_marks(run, (0, 0)) == {name: [] for name, _, _ in report.HANDOFF_MARKS}
+
+
 def test_names_and_errors(tmp_path, capsys):
   assert report.run_names(["x/sync", "y/async"]) == ["sync", "async"]
   assert report.run_names(["x/run", "y/run"]) == [os.path.join("x", "run"),

@@ -170,6 +170,7 @@ class ContinuousBatcher:
     if self.params is None:
       raise RuntimeError("set_params must be called before step")
     faults.point("rollout.decode_step")
+    began = self.clock()  # work under self.version starts here (refill prefills with it too)
     if admit:
       self._refill()
     if self.num_active == 0:
@@ -181,6 +182,8 @@ class ContinuousBatcher:
       if slot is None:
         continue
       tokens, log_probs = result.get_result_at_slot(i)
+      if not slot.versions or slot.versions[-1] != self.version:  # its first token of this one
+        slot.request.sample.stamp_version_began(self.version, began)
       for token, log_prob in zip(tokens.tolist(), log_probs.tolist()):
         slot.tokens.append(token)
         slot.log_probs.append(log_prob)

@@ -103,10 +103,11 @@ def check_run(config: RunConfig, summary: dict, records: list[dict], run_dir) ->
   started = summary["rollout/groups_started"] * config.group_size
   assert started == summary["queue/put"] + summary["rollout/shutdown"]
   assert summary["rollout/swaps"] >= 1
-  # Hand-off latency: each version's samples reach the buffer after its publish began, and the
-  # learner after the buffer.
+  # Hand-off latency: the rollout side works under each version after its publish began, that
+  # version's samples reach the buffer after that, and the learner after the buffer.
   assert summary["handoff/versions"] >= 1
-  for name in ("publish_to_enqueue_s", "enqueue_to_take_s", "publish_to_take_s"):
+  for name in ("publish_to_work_s", "work_to_enqueue_s", "publish_to_enqueue_s",
+               "enqueue_to_take_s", "publish_to_take_s"):
     assert 0.0 <= summary[f"handoff/{name}_p50"] <= summary[f"handoff/{name}_p99"], name
   # The ledger over the whole run, and the evaluation records (no version evaluated twice).
   run_lives.check_books(run_lives.books(run_dir), config.num_versions)

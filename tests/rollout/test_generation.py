@@ -258,6 +258,30 @@ def test_partial_rollout_versions_switch_at_the_interruption(model, engine, logp
              for u, s in swapped.items())
 
 
+def test_each_version_is_stamped_with_the_call_that_drew_its_first_token(model, engine):
+  _, params, new_params = model
+  ticks = iter(range(100, 1000))  # the batcher reads its clock once per step, then at finishes
+  batcher = ContinuousBatcher(engine, eos_id=NEVER, max_response_len=MAX_RESPONSE,
+                              clock=lambda: float(next(ticks)))
+  batcher.set_params(params, 0)
+  batcher.submit(make_requests((5, 9)))
+  calls = []
+  for _ in range(SWAP_AT):
+    before = next(ticks)  # the step's clock read comes right after this one
+    batcher.step()
+    calls.append(before + 1)
+  batcher.set_params(new_params, 1, partial_strategy="keep_kv")
+  before = next(ticks)
+  finished = batcher.step()
+  first_under_1 = before + 1
+  while not batcher.idle:
+    finished += batcher.step()
+  assert len(finished) == 2
+  for sample in finished:  # both started in the first call and ran on after the swap
+    assert sample.versions_began() == {0: calls[0], 1: first_under_1}
+    assert sample.timestamps["generated"] > first_under_1
+
+
 def test_reprefill_equals_resuming_a_submitted_partial_sample(model, engine):
   _, params, new_params = model
   swapped = _run_with_swap(engine, params, new_params, "reprefill")
