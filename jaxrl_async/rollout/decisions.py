@@ -5,7 +5,8 @@ simulator's rollouter, so all three swap weights, drain and admit groups by the 
   samples and lets the ones in flight finish on the old weights (drains), then swaps; with it on
   it swaps at the next decode-step boundary and resumes the interrupted samples by
   `partial_strategy`;
-- it admits new groups while it is not draining and its slots have room;
+- it admits new groups while it is not draining and its slots have room; right after a swap
+  with samples in flight it steps before it asks;
 - it runs a decode step while samples are in flight, or pending ones may start.
 """
 
@@ -43,6 +44,14 @@ def admission_room(slots: int, group_size: int) -> int:
 def may_admit(*, draining: bool, load: int, slots: int, group_size: int) -> bool:
   """Whether one more group may be started (the buffer's admission has the final word)."""
   return not draining and load < admission_room(slots, group_size)
+
+
+def admit_first(*, swapped: bool, active: int) -> bool:
+  """Ask for admission before this turn's decode step. Right after a swap with samples in flight
+  the step comes first: their next tokens, the first work under the new version, wait for no
+  admission round trip (on the processes and Ray backends one to the learner's process); the
+  ask follows at the next turn."""
+  return not (swapped and active > 0)
 
 
 def should_step(*, active: int, pending: int, draining: bool) -> bool:

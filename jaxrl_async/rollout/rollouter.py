@@ -27,6 +27,7 @@ from jaxrl_async.roles import RoleThread
 from jaxrl_async.rollout.decisions import (
   DRAIN,
   KEEP,
+  admit_first,
   may_admit,
   on_new_version,
   resume_strategy,
@@ -121,8 +122,9 @@ class Rollouter(RoleThread):
     self._wait_for_first_weights()
     while not self._stop.is_set():
       self._honor_pause()
-      self._maybe_swap()
-      self._admit()
+      swapped = self._maybe_swap()
+      if admit_first(swapped=swapped, active=self.batcher.num_active):
+        self._admit()
       if should_step(active=self.batcher.num_active, pending=self.batcher.num_pending,
                      draining=self._draining):
         with self.timer.busy("rollout"):
@@ -146,19 +148,20 @@ class Rollouter(RoleThread):
         self.buffer.publish_version(version)
         return
 
-  def _maybe_swap(self) -> None:
+  def _maybe_swap(self) -> bool:
+    """Swaps to a newer version if the decisions say so; whether it did."""
     decision = on_new_version(self.channel.latest_version(), self.batcher.version,
                               partial_rollout=self.partial_rollout,
                               in_flight=self.batcher.num_active > 0)
     if decision == KEEP:
-      return
+      return False
     if decision == DRAIN:
       self._draining = True  # finish in-flight samples on the old weights first
-      return
+      return False
     version, params = self.channel.fetch()
     if version <= self.batcher.version:  # the load failed (counted by the channel): go on
       self._draining = False
-      return
+      return False
     with self.timer.busy("rollout"):
       interrupted = self.batcher.set_params(
           params, version,
@@ -167,6 +170,7 @@ class Rollouter(RoleThread):
     self.counts["swaps"] += 1
     self._draining = False
     self._hold_version(version)
+    return True
 
   def _hold_version(self, version: int) -> None:
     """Tells the buffer this role now generates with `version` (opens its window)."""

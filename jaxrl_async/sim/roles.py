@@ -24,6 +24,7 @@ from jaxrl_async.buffer import BufferTimeout, VersionedBuffer
 from jaxrl_async.rollout.decisions import (
   DRAIN,
   KEEP,
+  admit_first,
   may_admit,
   on_new_version,
   resume_strategy,
@@ -183,12 +184,14 @@ class SimRollouter:
         self.pool.stop_at_boundary(replica)
 
   # ---- one turn of the loop -------------------------------------------------------------------
-  def turn(self, replica: Replica) -> None:
+  def turn(self, replica: Replica, swapped: bool = False) -> None:
+    """One pass of the live loop: swap, admit, step. `swapped`: the turn that follows a swap."""
     if self.stopped or replica.device.busy:
       return
     if self._maybe_swap(replica):
       return
-    self._admit()
+    if admit_first(swapped=swapped, active=len(replica.active)):
+      self._admit()
     if should_step(active=len(replica.active), pending=len(replica.pending),
                    draining=self.draining):
       self.pool.step(replica, admit=not self.draining)
@@ -222,7 +225,7 @@ class SimRollouter:
       for other in self.pool.replicas:
         if other is not replica and not other.device.busy:
           self.clock.at(self.clock.now, self.turn, other)
-    self.turn(replica)
+    self.turn(replica, swapped=True)
 
   def _admit(self) -> None:
     pool, buffer = self.pool, self.buffer

@@ -8,6 +8,7 @@ from jaxrl_async.rollout.decisions import (
   KEEP,
   SWAP,
   admission_room,
+  admit_first,
   may_admit,
   on_new_version,
   resume_strategy,
@@ -46,3 +47,12 @@ def test_admission_leaves_room_for_one_group_beyond_the_slots():
 ])
 def test_should_step(active, pending, draining, expected):
   assert should_step(active=active, pending=pending, draining=draining) == expected
+
+
+@pytest.mark.parametrize("swapped, active, expected", [
+    (False, 0, True), (False, 5, True),  # no swap this turn: ask, then step
+    (True, 0, True),  # swapped with nothing in flight: nothing to step without an admission
+    (True, 3, False),  # swapped mid-sample: step first, ask at the next turn
+])
+def test_admit_first(swapped, active, expected):
+  assert admit_first(swapped=swapped, active=active) is expected
