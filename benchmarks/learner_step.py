@@ -9,6 +9,10 @@ Against the roofline (`benchmarks/roofline.py`, measured in the same run): the j
 alone (`step.make_update_fn`, no host work) on 128 sequences of 16 tokens (8-token prompts, 16
 GRPO groups of 8, random tokens and rewards), for the default tiny model and for a 2-layer
 d_model-128 model (d_ff 512), as a fraction of max(FLOPs / matmul peak, bytes / bandwidth).
+Beside it (`limits`, unless --skip_limits), the update against this machine's measured limits at
+its own shapes (`roofline.machine_limits`): every dot_general of its traced program timed alone
+(`dots`), and the op floor (`op_floor`): the same update at d_model 8, d_ff 8 on one group of
+rows, its time per executed op of its compiled program, times the ops the real one executes.
 
     python benchmarks/learner_step.py [--batches 30] [--repeats 5] [--out FILE]
     python benchmarks/learner_step.py --roofline_only     # the roofline part alone, seconds
@@ -45,10 +49,14 @@ ROOFLINE_GROUPS, ROOFLINE_GROUP_SIZE = 16, 8  # 128 sequences
 ROOFLINE_PROMPT_LEN, ROOFLINE_RESPONSE_LEN = 8, 8  # 16 tokens each
 
 
-def _random_groups(vocab_size: int, seed: int = 0):
+# The op floor's shapes: the tiny preset's layers at negligible width, one group of rows.
+FLOOR_OVERRIDES, FLOOR_GROUPS = {"d_model": 8, "d_ff": 8}, 1
+
+
+def _random_groups(vocab_size: int, seed: int = 0, num_groups: int = ROOFLINE_GROUPS):
   rng = np.random.default_rng(seed)
   groups = []
-  for g in range(ROOFLINE_GROUPS):
+  for g in range(num_groups):
     problem = Problem(prompt_id=g,
                       prompt_tokens=rng.integers(0, vocab_size, ROOFLINE_PROMPT_LEN))
     group = []
@@ -63,28 +71,60 @@ def _random_groups(vocab_size: int, seed: int = 0):
   return groups
 
 
-def roofline_updates(machine: dict, repeats: int = 20, models=ROOFLINE_MODELS) -> dict:
-  """{name: roofline.fraction of the jitted update (median of `repeats`)} at the small shapes."""
+def _build_update(config, learner_config, num_groups: int):
+  """(jitted update, its state, a batch of `num_groups` random groups) for a model config."""
+  seq_len = ROOFLINE_PROMPT_LEN + ROOFLINE_RESPONSE_LEN
+  model = init_model(config)
+  graphdef, params = split_model(model)
+  mesh = sharding.make_mesh(sharding.MeshShape(data=1, fsdp=1, tensor=1), jax.devices()[:1])
+  state = step_lib.init_train_state(params, learner_config.optimizer(), mesh,
+                                    param_logical_axes(model))
+  batch = step_lib.shard_batch(
+      collate(_random_groups(config.vocab_size, num_groups=num_groups), seq_len), mesh)
+  update = step_lib.make_update_fn(graphdef, learner_config, ROOFLINE_GROUP_SIZE,
+                                   step_lib.state_shardings(state))
+  return update, state, batch
+
+
+def _time_updates(update, state, batch, repeats: int):
+  """(seconds of `repeats` updates after two warm-up calls, the compiled program's text)."""
+  hlo = update.lower(state, batch, None, np.float32(0), np.float32(0)).compile().as_text()
+  seconds = []
+  for i in range(repeats + 2):  # two warm-up calls: compile, then first run
+    began = time.perf_counter()
+    state, metrics = update(state, batch, None, np.float32(0), np.float32(0))
+    jax.block_until_ready((state, metrics))
+    if i >= 2:
+      seconds.append(time.perf_counter() - began)
+  return seconds, hlo
+
+
+def update_op_floor(repeats: int, learner_config) -> tuple[float, int]:
+  """(median seconds, executed ops) of the update at the floor's negligible shapes."""
+  config = get_config("tiny", max_seq_len=ROOFLINE_PROMPT_LEN + ROOFLINE_RESPONSE_LEN,
+                      **FLOOR_OVERRIDES)
+  seconds, hlo = _time_updates(*_build_update(config, learner_config, FLOOR_GROUPS), repeats)
+  return float(np.median(seconds)), sum(roofline.count_executed_ops(hlo).values())
+
+
+def roofline_updates(machine: dict, repeats: int = 20, models=ROOFLINE_MODELS,
+                     limits: bool = True) -> dict:
+  """{name: roofline.fraction of the jitted update (median of `repeats`)} at the small shapes;
+  with `limits`, beside it the update against this machine's limits at its own shapes
+  (`roofline.machine_limits`: its dots timed alone, and the op floor of its program)."""
   out = {}
   seq_len = ROOFLINE_PROMPT_LEN + ROOFLINE_RESPONSE_LEN
+  learner_config = step_lib.LearnerConfig()
+  if limits:
+    floor_s, floor_ops = update_op_floor(repeats, learner_config)
+    per_op_s = roofline.measure_per_op_s()
   for name, overrides in models:
     config = get_config("tiny", max_seq_len=seq_len, **overrides)
-    model = init_model(config)
-    graphdef, params = split_model(model)
-    learner_config = step_lib.LearnerConfig()
-    mesh = sharding.make_mesh(sharding.MeshShape(data=1, fsdp=1, tensor=1), jax.devices()[:1])
-    state = step_lib.init_train_state(params, learner_config.optimizer(), mesh,
-                                      param_logical_axes(model))
-    batch = step_lib.shard_batch(collate(_random_groups(config.vocab_size), seq_len), mesh)
-    update = step_lib.make_update_fn(graphdef, learner_config, ROOFLINE_GROUP_SIZE,
-                                     step_lib.state_shardings(state))
-    seconds = []
-    for i in range(repeats + 2):  # two warm-up calls: compile, then first run
-      began = time.perf_counter()
-      state, metrics = update(state, batch, None, np.float32(0), np.float32(0))
-      jax.block_until_ready((state, metrics))
-      if i >= 2:
-        seconds.append(time.perf_counter() - began)
+    update, state, batch = _build_update(config, learner_config, ROOFLINE_GROUPS)
+    if limits:  # traced before the timed calls donate the state
+      counts = roofline.program_dots(
+          jax.make_jaxpr(update)(state, batch, None, np.float32(0), np.float32(0)).jaxpr)
+    seconds, hlo = _time_updates(update, state, batch, repeats)
     rows, row_length = batch.tokens.shape
     update_s = float(np.median(seconds))
     account = roofline.fraction(
@@ -97,6 +137,13 @@ def roofline_updates(machine: dict, repeats: int = 20, models=ROOFLINE_MODELS) -
         "min_s": round(min(seconds), 6),
         "model_flops_fraction_of_peak": round(
             model_flops / update_s / 1e9 / machine["matmul_peak_gflops"][config.dtype], 4)})
+    if limits:
+      dots = roofline.dots_alone(counts)
+      floor = roofline.op_floor(sum(roofline.count_executed_ops(hlo).values()), floor_s,
+                                floor_ops, per_op_s)
+      account["limits"] = {**roofline.machine_limits(account["bound_s"], update_s,
+                                                     dots["dots_alone_s"], floor["op_floor_s"]),
+                           "dots": dots, "op_floor": floor}
     out[name] = account
   return out
 
@@ -114,6 +161,8 @@ def main(argv=None) -> int:
   parser.add_argument("--roofline_models", default=",".join(name for name, _ in ROOFLINE_MODELS),
                       help="comma-separated models of the roofline part "
                            f"({', '.join(name for name, _ in ROOFLINE_MODELS)})")
+  parser.add_argument("--skip_limits", action="store_true",
+                      help="no dots-alone or op-floor limits beside the roofline")
   parser.add_argument("--machine_repeats", type=int, default=10,
                       help="timed runs of the machine's matmul peak and bandwidth (best kept)")
   args = parser.parse_args(argv)
@@ -126,7 +175,8 @@ def main(argv=None) -> int:
   compilation_cache.enable()
   machine = roofline.measure(repeats=args.machine_repeats)
   roofline_record = {"machine": machine,
-                     "updates": roofline_updates(machine, args.roofline_repeats, models)}
+                     "updates": roofline_updates(machine, args.roofline_repeats, models,
+                                                 limits=not args.skip_limits)}
   if args.roofline_only:
     emit_json_line({"benchmark": "learner_step", "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
                     "roofline": roofline_record,

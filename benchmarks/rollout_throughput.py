@@ -32,6 +32,11 @@ once, one after the other in the same process, and the median per variant is rep
 Against the roofline (`benchmarks/roofline.py`, measured in the same run): an engine decode step
 (steps_per_call 1) as a fraction of max(FLOPs / matmul peak, bytes / bandwidth) of S tokens over
 the whole static cache, and a naive step as a fraction of the compute bound of its full forward.
+Beside it (`engine_step_limits`, unless --skip_limits), the engine step against this machine's
+measured limits at its own shapes (`roofline.machine_limits`): every dot_general of the traced
+decode step timed alone (`dots`), and the op floor (`op_floor`): an engine of the same model at
+d_model 8, d_ff 8, head_dim 2 with one slot (`engine_floor`, timed in the same rounds as the
+other variants), its time per op executed by its compiled step, times the ops of the real one.
 """
 
 from __future__ import annotations
@@ -48,7 +53,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from common import emit_json_line
-from roofline import Work, decode_step_work, forward_flops, fraction, measure, param_bytes
+from roofline import (
+  Work,
+  count_executed_ops,
+  decode_step_work,
+  dots_alone,
+  forward_flops,
+  fraction,
+  machine_limits,
+  measure,
+  measure_per_op_s,
+  op_floor,
+  param_bytes,
+  program_dots,
+)
 
 from jaxrl_async.model import apply, get_config, init_model, split_model
 from jaxrl_async.rollout.engine import Engine
@@ -131,6 +149,14 @@ def naive_run(step, params, prompts, keys, tokens: int):
 
 MODELS = {"tiny": ("tiny", {}), "small": ("small", {}),
           "d128": ("tiny", {"d_model": 128, "d_ff": 512})}
+FLOOR_OVERRIDES = {"d_model": 8, "d_ff": 8, "head_dim": 2}  # the op floor's negligible widths
+
+
+def executed_ops(engine: Engine, params) -> int:
+  """Ops the compiled decode step (`Engine._generate`) executes (`count_executed_ops`)."""
+  state = engine.init_decode_state()
+  return sum(count_executed_ops(engine._generate.lower(params, state).compile().as_text())
+             .values())
 
 
 # ---- main -------------------------------------------------------------------------------------
@@ -141,6 +167,8 @@ def main() -> None:
   parser.add_argument("--tokens", type=int, default=24, help="tokens drawn per prompt")
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--skip_steps_per_call_4", action="store_true")
+  parser.add_argument("--skip_limits", action="store_true",
+                      help="no dots-alone or op-floor limits beside the roofline")
   parser.add_argument("--out", default=None, help="also write the JSON line to this file")
   args = parser.parse_args()
 
@@ -168,6 +196,12 @@ def main() -> None:
     if max(map(len, prompts)) + math.ceil(args.tokens / 4) * 4 <= spc4.cache_length:
       engines[4] = spc4
   naive_step = make_naive_step(graphdef, sampling)
+  if not args.skip_limits:
+    floor_config = get_config(preset, max_seq_len=task.max_sequence_len,
+                              **{**overrides, **FLOOR_OVERRIDES})
+    floor_graphdef, floor_params = split_model(init_model(floor_config, seed=0))
+    floor_engine = Engine(floor_graphdef, floor_config, max_concurrent_decodes=1,
+                          max_prefill_length=task.max_sequence_len, sampling=sampling)
 
   variants = {f"engine_spc{spc}": functools.partial(engine_run, engine, params, prompts, keys,
                                                     args.tokens)
@@ -175,6 +209,9 @@ def main() -> None:
   variants["engine_with_prefill"] = functools.partial(engine_run, engines[1], params, prompts,
                                                       keys, args.tokens, time_prefill=True)
   variants["naive"] = functools.partial(naive_run, naive_step, params, prompts, keys, args.tokens)
+  if not args.skip_limits:
+    variants["engine_floor"] = functools.partial(engine_run, floor_engine, floor_params,
+                                                 prompts[:1], keys[:1], args.tokens)
 
   drawn = {name: fn()[1] for name, fn in variants.items()}  # warm-up: compiles every shape
   times = {name: [] for name in variants}
@@ -216,6 +253,19 @@ def main() -> None:
           statistics.median(times["naive"]) / args.tokens,
           machine["matmul_peak_gflops"], machine["bandwidth_gbs"]),
       "repeats": args.repeats,
+  })
+  if not args.skip_limits:
+    step_s = statistics.median(times["engine_spc1"]) / (generated["engine_spc1"] / args.slots)
+    dots = dots_alone(program_dots(jax.make_jaxpr(engines[1]._generate_impl)(
+        params, engines[1].init_decode_state()).jaxpr))
+    floor = op_floor(executed_ops(engines[1], params),
+                     statistics.median(times["engine_floor"]) / generated["engine_floor"],
+                     executed_ops(floor_engine, floor_params), measure_per_op_s())
+    record["engine_step_limits"] = {
+        **machine_limits(record["engine_step_roofline"]["bound_s"], step_s,
+                         dots["dots_alone_s"], floor["op_floor_s"]),
+        "dots": dots, "op_floor": floor}
+  record.update({
       "params": num_params,
       "max_seq_len": config.max_seq_len,
       "naive_buffer_len": naive_len,

@@ -44,6 +44,11 @@ def dense(spec: str, x: jax.Array, weight: jax.Array) -> jax.Array:
   return out.astype(x.dtype)
 
 
+def summed_products(x: jax.Array, y: jax.Array, axis: int) -> jax.Array:
+  """sum(x * y, axis) as `dense` sums (in float32, to x's dtype): decode's one-query attention."""
+  return jnp.sum(x.astype(jnp.float32) * y.astype(jnp.float32), axis=axis).astype(x.dtype)
+
+
 def _param(rngs: nnx.Rngs, init, shape, axes, dtype=jnp.float32) -> nnx.Param:
   return nnx.Param(init(rngs.params(), shape, jnp.dtype(dtype)), out_sharding=axes,
                    eager_sharding=False)
@@ -60,10 +65,8 @@ class KVCache:
   def zeros(cls, config: ModelConfig, batch: int, length: int | None = None) -> KVCache:
     length = config.max_seq_len if length is None else length
     shape = (batch, length, config.n_kv_heads, config.resolved_head_dim)
-    dtype = jnp.dtype(config.dtype)
-    layers = range(config.n_layers)
-    return cls(keys=tuple(jnp.zeros(shape, dtype) for _ in layers),
-               values=tuple(jnp.zeros(shape, dtype) for _ in layers))
+    layers = [jnp.zeros(shape, jnp.dtype(config.dtype)) for _ in range(2 * config.n_layers)]
+    return cls(keys=tuple(layers[:config.n_layers]), values=tuple(layers[config.n_layers:]))
 
   @property
   def length(self) -> int:
@@ -221,14 +224,18 @@ class Attention(nnx.Module):
     batch, length, heads, head_dim = q.shape
     groups = heads // cfg.n_kv_heads
     q = q.reshape(batch, length, cfg.n_kv_heads, groups, head_dim)
-    scores = dense("btkgd,bskd->bkgts", q, keys).astype(jnp.float32)
+    one_query = length == 1 and cache_kv is not None  # decode: one-row dots, slow on XLA:CPU
+    scores = (jnp.moveaxis(summed_products(q, keys[:, :, :, None], -1), 1, 3)[:, :, :, None]
+              if one_query else dense("btkgd,bskd->bkgts", q, keys)).astype(jnp.float32)
     scores = scores * (head_dim ** -0.5)
     visible = key_positions[:, None, None, None, :] <= positions[:, None, None, :, None]
     if segment_ids is not None:
       visible &= segment_ids[:, None, None, None, :] == segment_ids[:, None, None, :, None]
     scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
     probs = softmax(scores).astype(dtype)
-    out = dense("bkgts,bskd->btkgd", probs, values)
+    out = (summed_products(jnp.moveaxis(probs[:, :, :, 0], 3, 1)[..., None],
+                           values[:, :, :, None], 1)[:, None]
+           if one_query else dense("bkgts,bskd->btkgd", probs, values))
     out = out.reshape(batch, length, heads, head_dim)
     return project(out, self.o[...], contract=2), new_cache
 
@@ -237,13 +244,10 @@ class MLP(nnx.Module):
   """SwiGLU feed-forward (Shazeer 2020)."""
 
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
-    d, f, pd = config.d_model, config.d_ff, config.param_dtype
-    self.gate = _param(rngs, nnx.initializers.normal(stddev=d ** -0.5), (d, f), ("embed", "mlp"),
-                       pd)
-    self.up = _param(rngs, nnx.initializers.normal(stddev=d ** -0.5), (d, f), ("embed", "mlp"),
-                     pd)
-    self.down = _param(rngs, nnx.initializers.normal(stddev=f ** -0.5), (f, d), ("mlp", "embed"),
-                       pd)
+    d, f, pd, normal = config.d_model, config.d_ff, config.param_dtype, nnx.initializers.normal
+    self.gate = _param(rngs, normal(stddev=d ** -0.5), (d, f), ("embed", "mlp"), pd)
+    self.up = _param(rngs, normal(stddev=d ** -0.5), (d, f), ("embed", "mlp"), pd)
+    self.down = _param(rngs, normal(stddev=f ** -0.5), (f, d), ("mlp", "embed"), pd)
 
   def __call__(self, x):
     hidden = jax.nn.silu(project(x, self.gate[...])) * project(x, self.up[...])
@@ -270,9 +274,8 @@ class Decoder(nnx.Module):
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
     self.config = config
     pd = config.param_dtype
-    self.embed = _param(rngs, nnx.initializers.normal(stddev=1.0), (config.vocab_size,
-                                                                   config.d_model),
-                        ("vocab", "embed"), pd)
+    self.embed = _param(rngs, nnx.initializers.normal(stddev=1.0),
+                        (config.vocab_size, config.d_model), ("vocab", "embed"), pd)
     self.blocks = nnx.List([Block(config, rngs) for _ in range(config.n_layers)])
     self.final_norm = RMSNorm(config.d_model, config.norm_eps, rngs, pd)
     if not config.tie_embeddings:
@@ -305,8 +308,7 @@ class Decoder(nnx.Module):
         layer_cache = None if cache is None else (cache.keys[i], cache.values[i])
         x, layer_new = block(x, positions, layer_cache, segment_ids)
         if layer_new is not None:
-          new_keys.append(layer_new[0])
-          new_values.append(layer_new[1])
+          new_keys, new_values = new_keys + [layer_new[0]], new_values + [layer_new[1]]
     x = self.final_norm(x)
     new_cache = None if cache is None else KVCache(tuple(new_keys), tuple(new_values))
     if return_hidden:
@@ -392,8 +394,6 @@ def abstract_params(config: ModelConfig):
 def apply(graphdef, params, tokens, positions=None, cache: KVCache | None = None,
           segment_ids=None, return_hidden: bool = False):
   """Pure forward pass: merge the module inside the traced function and run it.
-
-  return_hidden: (final hidden states [B, T, D], cache) instead of (logits, cache).
-  """
+  return_hidden: (final hidden states [B, T, D], cache) instead of (logits, cache)."""
   model = nnx.merge(graphdef, params)
   return model(tokens, positions, cache, segment_ids, return_hidden=return_hidden)
