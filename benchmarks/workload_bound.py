@@ -16,7 +16,15 @@ never waits. Measured one role at a time, laid out on the cores as `--backend` l
   window's anchors as the run computes them), no rollout running, in this process on every
   core, as the learner runs.
 
-Each role's figure is seconds per sample; the bound is the largest of them (`slowest_role`).
+Each role's figure is seconds per sample; the roles' bound is the largest of them.
+
+The roles share the machine's cores in a run, so a second bound holds beside it: no schedule
+makes samples faster than the cores can do the roles' work. Each role's work is its core-seconds
+per sample (`work_s_per_sample`): the rollout's and the reward's CPU time in their process (the
+reward's with the verifier process's), and the learner's wall time on one core (a child pinned
+to one core with one XLA thread: the CPU time of a multi-threaded update counts its threads'
+spin-waits too). The cores' bound is their sum over the cores the run has (`cores_bound`); the
+bound is the larger of the two, and `slowest_role` names the role, or 'cores'.
 Against a sync run measured on the same machine, `ceiling_speedup(sync_samples_per_s, bound)`
 is the most an async schedule can gain, and `fraction_of_ceiling(samples_per_s, bound)` how
 much of the bound's rate a run reached (1.0: the slowest role never waited). Weight publishing
@@ -29,6 +37,7 @@ and evaluation are not counted (they are work on top of the three roles).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import multiprocessing as mp
@@ -47,19 +56,35 @@ BARRIER_TIMEOUT_S = 600.0  # the rollout servers' children meet before each phas
 
 
 # ---- the figures (pure) --------------------------------------------------------------------
-def bound_figures(seconds_per_sample: dict[str, float]) -> dict:
-  """{'slowest_role', 'bound_s_per_sample', 'bound_samples_per_s'} from each role's seconds per
-  sample; ValueError for a figure that is not positive and finite."""
-  for role, value in seconds_per_sample.items():
+def _check_figures(figures: dict[str, float], what: str) -> None:
+  for role, value in figures.items():
     if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
-      raise ValueError(f"role {role!r}: seconds per sample must be positive and finite, "
-                       f"got {value!r}")
-  if not seconds_per_sample:
+      raise ValueError(f"role {role!r}: {what} must be positive and finite, got {value!r}")
+  if not figures:
     raise ValueError("no role measured")
+
+
+def bound_figures(seconds_per_sample: dict[str, float],
+                  work_s_per_sample: dict[str, float] | None = None, cores: int = 1) -> dict:
+  """{'slowest_role', 'bound_s_per_sample', 'bound_samples_per_s', 'roles_bound_s_per_sample'}
+  from each role's seconds per sample alone; with each role's core-seconds of work per sample
+  and the run's `cores`, also 'cores_bound_s_per_sample' = sum(work) / cores, and the bound is
+  the larger of the two ('cores' the slowest role when the cores' bound is). ValueError for a
+  figure that is not positive and finite."""
+  _check_figures(seconds_per_sample, "seconds per sample")
   slowest = max(seconds_per_sample, key=seconds_per_sample.get)
-  bound = seconds_per_sample[slowest]
+  roles_bound = bound = seconds_per_sample[slowest]
+  out = {"roles_bound_s_per_sample": roles_bound}
+  if work_s_per_sample is not None:
+    _check_figures(work_s_per_sample, "work per sample")
+    if not isinstance(cores, int) or cores < 1:
+      raise ValueError(f"cores must be an int >= 1, got {cores!r}")
+    cores_bound = sum(work_s_per_sample.values()) / cores
+    out.update(cores=cores, cores_bound_s_per_sample=cores_bound)
+    if cores_bound > roles_bound:
+      slowest, bound = "cores", cores_bound
   return {"slowest_role": slowest, "bound_s_per_sample": bound,
-          "bound_samples_per_s": 1.0 / bound}
+          "bound_samples_per_s": 1.0 / bound, **out}
 
 
 def ceiling_speedup(sync_samples_per_s: float, bound_s_per_sample: float) -> float:
@@ -128,41 +153,73 @@ def measure_rollout_and_reward(config, samples: int, repeats: int = 3, *, score:
   for _ in range(repeats):
     batcher.submit(requests(samples + slots))  # the queue outlasts the timed samples
     done, steps = [], 0
-    began = time.perf_counter()
+    began, cpu_began = time.perf_counter(), time.process_time()
     while len(done) < samples:
       done += batcher.step()
       steps += 1
       if steps > max_steps:
         raise RuntimeError(f"{steps} decode steps made {len(done)} of {samples} samples")
-    passes.append((time.perf_counter() - began, steps))
+    passes.append((time.perf_counter() - began, steps, time.process_time() - cpu_began))
     batcher.take_pending()
     batcher.abort_active()
   done = done[:samples]
   if barrier is not None:
     barrier.wait()
   lengths = [len(s.response_tokens) for s in done]
-  rollout_s, steps = min(passes)
+  rollout_s, steps, rollout_cpu_s = min(passes)
   rollout = {"samples": len(done), "s": rollout_s, "slots": slots, "steps": steps,
-             "s_per_sample": rollout_s / len(done), "passes_s": [p for p, _ in passes],
+             "s_per_sample": rollout_s / len(done), "passes_s": [p for p, _, _ in passes],
+             "cpu_s": rollout_cpu_s, "work_s_per_sample": rollout_cpu_s / len(done),
              "response_len_mean": sum(lengths) / len(lengths)}
   if not score:
     side.rewards.close()
     return {"rollout": rollout}
   reward_passes = []
+  verifiers = verifier_processes()
   for _ in range(repeats):  # the same answers each pass: the same drawn latencies
+    cpu_began = time.process_time() + processes_cpu_s(verifiers)
     began = time.perf_counter()
     scored = side.rewards.score_all(done)
-    reward_passes.append(time.perf_counter() - began)
+    reward_passes.append((time.perf_counter() - began,
+                          time.process_time() + processes_cpu_s(verifiers) - cpu_began))
   side.rewards.close()
   data = side.task.data_metrics() if hasattr(side.task, "data_metrics") else {}
-  reward_s = min(reward_passes)
+  reward_s, reward_cpu_s = min(reward_passes)
   return {
       "rollout": rollout,
       "reward": {"samples": len(scored), "s": reward_s, "callers": callers,
-                 "s_per_sample": reward_s / len(scored), "passes_s": reward_passes,
+                 "s_per_sample": reward_s / len(scored),
+                 "passes_s": [p for p, _ in reward_passes], "cpu_s": reward_cpu_s,
+                 "work_s_per_sample": reward_cpu_s / len(scored),
+                 "verifier_processes": len(verifiers),
                  **{key.split("/", 1)[1]: value for key, value in data.items()
                     if key.startswith("verifier/")}},
       "samples": scored}
+
+
+def verifier_processes() -> list:
+  """The task's verifier service processes (children of this process or of its parent, the
+  run's main process), whose CPU the reward's work includes."""
+  import psutil
+  found = []
+  for parent in {os.getpid(), os.getppid()}:
+    with contextlib.suppress(psutil.Error):
+      for process in psutil.Process(parent).children():
+        with contextlib.suppress(psutil.Error):
+          if "jaxrl_async.tasks.verifier_service" in " ".join(process.cmdline()):
+            found.append(process)
+  return found
+
+
+def processes_cpu_s(processes) -> float:
+  """User + system CPU seconds of `processes` so far (0 for one that ended)."""
+  import psutil
+  total = 0.0
+  for process in processes:
+    with contextlib.suppress(psutil.Error):
+      times = process.cpu_times()
+      total += times.user + times.system
+  return total
 
 
 def rollout_child(config, samples: int, repeats: int, result_path: str, score: bool = True,
@@ -217,6 +274,33 @@ def measure_learner(config, scored, updates: int, repeats: int = 3) -> dict:
   learner_s = min(passes)
   return {"updates": updates, "samples": consumed, "s": learner_s, "batches": len(batches),
           "s_per_sample": learner_s / consumed, "passes_s": passes}
+
+
+def learner_child(config, scored, updates: int, repeats: int, result_path: str) -> None:
+  """In a spawned child pinned to one core with one XLA thread: `measure_learner`, its result
+  pickled to `result_path` (the learner's core-seconds per sample: its work)."""
+  from jaxrl_async import compilation_cache
+  compilation_cache.enable()
+  result = measure_learner(config, scored, updates, repeats)
+  with open(result_path, "wb") as f:
+    pickle.dump(result, f)
+
+
+def measure_learner_on_one_core(config, scored, updates: int, repeats: int) -> dict:
+  """`measure_learner` in a child on one core (`learner_child`)."""
+  from jaxrl_async.backends.processes import child
+  core = [sorted(os.sched_getaffinity(0))[0]]
+  with tempfile.TemporaryDirectory() as root:
+    path = os.path.join(root, "learner.pkl")
+    process = child.spawn("benchmarks.workload_bound:learner_child",
+                          (config, scored, updates, repeats, path), name="bound-learner-1core",
+                          cores=core, env=child.child_env(core))
+    process.join(1800)
+    code = child.reap(process)
+    if code != 0:
+      raise RuntimeError(f"the one-core learner measurement's child failed (exit code {code})")
+    with open(path, "rb") as f:
+      return pickle.load(f)
 
 
 def _rollout_in_children(config, samples: int, repeats: int) -> dict:
@@ -276,11 +360,18 @@ def bound(backend: str, gin_files, bindings=(), *, samples: int = 2048,
       measured = measure_rollout_and_reward(run_config, samples, repeats)
     else:
       measured = _rollout_in_children(run_config, samples, repeats)
-    learner = measure_learner(run_config, measured.pop("samples"), updates, repeats)
+    scored = measured.pop("samples")
+    learner = measure_learner(run_config, scored, updates, repeats)
+    one_core = measure_learner_on_one_core(run_config, scored, updates, repeats)
+  learner.update(one_core_s_per_sample=one_core["s_per_sample"],
+                 work_s_per_sample=one_core["s_per_sample"])
   roles = {**measured, "learner": learner}
+  cores = len(os.sched_getaffinity(0))
   return {"kind": "workload_bound", "layout": "threads" if backend == "threads" else
           "processes", "gin_files": list(gin_files), "gin_bindings": list(bindings),
-          "roles": roles, **bound_figures({role: roles[role]["s_per_sample"] for role in ROLES})}
+          "roles": roles, **bound_figures({role: roles[role]["s_per_sample"] for role in ROLES},
+                                          {role: roles[role]["work_s_per_sample"]
+                                           for role in ROLES}, cores)}
 
 
 def main(argv=None) -> int:

@@ -3,6 +3,7 @@
 
 import json
 import math
+import os
 
 import jax
 import pytest
@@ -171,8 +172,17 @@ def test_workload_bound_is_the_slowest_role_measured_alone(tmp_path, monkeypatch
   for role, value in figures.items():
     assert math.isfinite(value) and value > 0, role
     assert roles[role]["s"] == min(roles[role]["passes_s"]), role  # the fastest pass kept
-  assert record["bound_s_per_sample"] == max(figures.values())
-  assert record["slowest_role"] == max(figures, key=figures.get)
+  work = {role: roles[role]["work_s_per_sample"] for role in workload_bound.ROLES}
+  for role, value in work.items():
+    assert math.isfinite(value) and value > 0, role
+  assert roles["reward"]["verifier_processes"] == 1  # its CPU counted in the reward's work
+  cores = len(os.sched_getaffinity(0))
+  assert record["cores"] == cores
+  assert record["roles_bound_s_per_sample"] == max(figures.values())
+  assert record["cores_bound_s_per_sample"] == pytest.approx(sum(work.values()) / cores)
+  assert record["bound_s_per_sample"] == max(record["roles_bound_s_per_sample"],
+                                             record["cores_bound_s_per_sample"])
+  assert record["slowest_role"] in (*figures, "cores")
   assert record["bound_samples_per_s"] == pytest.approx(1 / record["bound_s_per_sample"])
   assert roles["rollout"]["samples"] == 24 and roles["rollout"]["slots"] == 8
   # Scored at the verifier's concurrency: more callers than reward_workers, the service at its
@@ -190,6 +200,25 @@ def test_workload_bound_is_the_slowest_role_measured_alone(tmp_path, monkeypatch
   for bad in (0.0, -1.0, float("nan"), float("inf")):
     with pytest.raises(ValueError, match="role 'b'"):
       workload_bound.bound_figures({"a": 0.25, "b": bad})
+
+
+def test_the_cores_bound_is_the_roles_work_over_the_cores():
+  alone = {"rollout": 0.3, "reward": 0.25, "learner": 0.33}
+  # 0.3 + 0.05 + 0.6 = 0.95 core-s a sample over 2 cores: 0.475 s, above the slowest role's 0.33.
+  figures = workload_bound.bound_figures(alone, {"rollout": 0.3, "reward": 0.05,
+                                                 "learner": 0.6}, cores=2)
+  assert figures["slowest_role"] == "cores"
+  assert figures["cores_bound_s_per_sample"] == pytest.approx(0.475)
+  assert figures["bound_s_per_sample"] == pytest.approx(0.475)
+  assert figures["roles_bound_s_per_sample"] == 0.33
+  # On 4 cores the same work fits under the slowest role: the roles' bound holds.
+  figures = workload_bound.bound_figures(alone, {"rollout": 0.3, "reward": 0.05,
+                                                 "learner": 0.6}, cores=4)
+  assert figures["slowest_role"] == "learner" and figures["bound_s_per_sample"] == 0.33
+  with pytest.raises(ValueError, match="role 'reward': work per sample"):
+    workload_bound.bound_figures(alone, {"rollout": 0.3, "reward": 0.0, "learner": 0.6}, 2)
+  with pytest.raises(ValueError, match="cores"):
+    workload_bound.bound_figures(alone, {"rollout": 0.3, "reward": 0.05, "learner": 0.6}, 0)
 
 
 def test_modes_refuses_a_missing_task_file_and_an_unknown_bound_run(tmp_path, monkeypatch):
