@@ -109,6 +109,9 @@ def mode_rows(results: dict) -> dict:
         **{key.split("/", 1)[1]: summary.get(key) for key in (
             "lengths/generated_mean", "lengths/generated_p90", "lengths/consumed_mean",
             "lengths/consumed_p90", "lengths/consumed_over_generated_mean")},
+        **{key.replace("/", "_"): summary.get(key) for key in (
+            "handoff/publish_to_work_s_p50", "handoff/publish_to_work_s_p99",
+            "handoff/publish_to_take_s_p50", "handoff/publish_to_take_s_p99")},
     }
     if base is not None:
       target = base["summary"]["eval/accuracy"]
