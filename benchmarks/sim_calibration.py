@@ -103,11 +103,11 @@ def buffer_cost(backend: str) -> tuple[float, str]:
           f"{local_rate:.0f} samples/s in-process")
 
 
-def run_configs(names, bindings) -> dict:
-  """Each mode's or recipe's RunConfig from its gin file and the bindings."""
+def run_configs(names, bindings, task_files=()) -> dict:
+  """Each mode's or recipe's RunConfig from its gin file, the task files and the bindings."""
   configs = {}
   for name in names:
-    train.load_config([modes_benchmark.gin_file(name)], bindings)
+    train.load_config([modes_benchmark.gin_file(name), *task_files], bindings)
     configs[name] = gin.get_configurable(config_lib.RunConfig)()
   gin.clear_config()
   return configs
@@ -178,9 +178,15 @@ def main(argv=None) -> int:
                            "concurrency_ceiling result's roles.learner_fixed_fraction, if any)")
   parser.add_argument("--handoff_mode", default="on_policy",
                       help="the mode whose warm-up run's records give the hand-off latency")
+  parser.add_argument("--task_file", action="append", default=[],
+                      help="gin files after each mode's (e.g. gin/tasks/rlvr.gin: the RLVR "
+                           "workload); the ceiling's role loops stay the default run's")
   parser.add_argument("--gin_bindings", action="append", default=[])
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
+  for path in args.task_file:
+    if not os.path.isfile(path):
+      parser.error(f"--task_file {path!r}: no such file")
   modes = [*args.modes.split(","),
            *(f"recipes/{r}" for r in filter(None, args.recipes.split(",")))]
   if "sync" not in modes:
@@ -207,9 +213,11 @@ def main(argv=None) -> int:
         print(f"warming up {mode} ...", file=sys.stderr, flush=True)
         warm = os.path.join(args.work_dir, f"warmup-{mode}")
         modes_benchmark.run_mode(mode, [*bindings, f"RunConfig.total_samples = "
-                                        f"{args.warmup_samples}"], warm, args.backend)
+                                        f"{args.warmup_samples}"], warm, args.backend,
+                                 args.task_file)
       print(f"running {mode} ...", file=sys.stderr, flush=True)
-      modes_benchmark.run_mode(mode, bindings, os.path.join(args.work_dir, mode), args.backend)
+      modes_benchmark.run_mode(mode, bindings, os.path.join(args.work_dir, mode), args.backend,
+                               args.task_file)
     load_after = os.getloadavg()[0]
     if args.ceiling_batches:
       print("concurrency ceiling (each role alone, both together) ...", file=sys.stderr,
@@ -262,13 +270,14 @@ def main(argv=None) -> int:
               encoding="utf-8") as f:
       handoff_wall_s = json.load(f)["system/wall_s"]
   handoff_config = run_configs([args.handoff_mode], [
-      *bindings, f"RunConfig.total_samples = {args.warmup_samples}"])[args.handoff_mode]
+      *bindings, f"RunConfig.total_samples = {args.warmup_samples}"],
+      args.task_file)[args.handoff_mode]
   async_profile, factors = async_profile_for(profile, args.backend, ceiling, handoff_records,
                                              handoff_config, args.seed, args.contention,
                                              handoff_wall_s)
   factors["handoff_source"] = (f"warmup-{args.handoff_mode} run's records"
                                if handoff_records is not None else "no run: 0")
-  configs = run_configs(modes, bindings)
+  configs = run_configs(modes, bindings, args.task_file)
   table = {}
   for mode in modes:
     used = profile if mode == "sync" else async_profile
@@ -290,7 +299,7 @@ def main(argv=None) -> int:
                    "predicted_handoff_p50_s": summary.get("handoff/publish_to_enqueue_s_p50"),
                    "predicted_stale_ratio": summary["algo/stale_ratio"],
                    "predicted_version_gap_max": summary["algo/version_gap_max"]}
-  line = {"benchmark": "sim_calibration", "backend": args.backend,
+  line = {"benchmark": "sim_calibration", "backend": args.backend, "task_files": args.task_file,
           "total_samples": args.total_samples,
           "warmup_samples": args.warmup_samples, "seed": args.seed,
           "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),

@@ -3,6 +3,7 @@
 
 import dataclasses
 import json
+import os
 
 import pytest
 
@@ -67,3 +68,13 @@ def test_beside_counts_only_the_batches_inside_the_overlap():
   assert concurrency_ceiling.beside_ms_per_batch(times, "rollout") == (1000.0, 1)
   assert concurrency_ceiling.beside_ms_per_batch(
       {"learner": (0.0, 1.0, [1.0]), "rollout": (2.0, 3.0, [3.0])}, "learner") == (None, 0)
+
+
+def test_sim_calibration_reads_task_files_after_each_modes_gin(monkeypatch):
+  monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+  configs = sim_calibration.run_configs(["sync", "recipes/rlvr_async"], [],
+                                        ["gin/tasks/rlvr.gin"])
+  assert {type(config.task).__name__ for config in configs.values()} == {"RLVRReverseTask"}
+  assert configs["recipes/rlvr_async"].require_batches == 4  # the recipe's own settings kept
+  with pytest.raises(SystemExit):
+    sim_calibration.main(["--reuse", "--task_file", "gin/tasks/no_such_task.gin"])
