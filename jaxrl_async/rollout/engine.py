@@ -79,6 +79,12 @@ def prefill_buckets(max_prefill_length: int, smallest: int = 8) -> tuple[int, ..
   return tuple(buckets) + (max_prefill_length,)
 
 
+def row_width(n: int) -> int:
+  """Rows of a batched prefill or insert for n sequences: the next power of two, so calls
+  compile a few widths, not one per count."""
+  return 1 << (n - 1).bit_length()
+
+
 def _out(state_sh, out_shardings) -> dict:
   return {} if state_sh is None else {"out_shardings": out_shardings}
 
@@ -119,6 +125,9 @@ class Engine:
     self._prefill = jax.jit(self._prefill_impl)
     self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), **_out(state_sh, state_sh))
     self._insert_many = jax.jit(self._insert_many_impl, donate_argnums=(1,),
+                                **_out(state_sh, state_sh))
+    self._prefill_rows = jax.jit(self._prefill_rows_impl)
+    self._insert_rows = jax.jit(self._insert_rows_impl, donate_argnums=(1,),
                                 **_out(state_sh, state_sh))
     # Built by jit so its shardings match the outputs of insert / generate (no recompile).
     self._init_decode_state = jax.jit(self._init_decode_state_impl, **_out(state_sh, state_sh))
@@ -183,12 +192,55 @@ class Engine:
       raise ValueError(f"rngs must be uint32 [{len(slots)}, 2], got {rngs.shape}")
     # Padded to a power of two by repeating the last slot (writing it again is a no-op), so a
     # group split over whatever slots are free compiles a few widths, not one per count.
-    width = 1 << (len(slots) - 1).bit_length()
+    width = row_width(len(slots))
     if width > len(slots):
       pad = width - len(slots)
       slots = np.concatenate([slots, np.repeat(slots[-1:], pad)])
       rngs = np.concatenate([rngs, np.repeat(rngs[-1:], pad, axis=0)])
     return self._insert_many(prefix, decode_state, slots, rngs)
+
+  def prefill_rows(self, *, params, sequences) -> Prefix:
+    """Several sequences (int32 1-D arrays) prefilled in one device call, each row padded to
+    the bucket of the longest. Each row runs `prefill`'s own program (a loop over rows), so a
+    row whose bucket is its own holds exactly what `prefill` of it alone would: batching never
+    changes a sample's tokens or logprobs. Returns a prefix of `row_width(len(sequences))` rows
+    (the last repeated) for `insert_rows`, one slot per sequence. Used to resume many partial
+    responses at once, e.g. every in-flight sample after a weight swap ('reprefill')."""
+    if not len(sequences):
+      raise ValueError("prefill_rows needs at least one sequence")
+    if len(sequences) > self._slots:
+      raise ValueError(f"{len(sequences)} sequences exceed the {self._slots} decode slots")
+    bucket = self.bucket_of(max(len(sequence) for sequence in sequences))
+    width = row_width(len(sequences))
+    tokens = np.zeros((width, bucket), np.int32)
+    lengths = np.zeros((width,), np.int32)
+    for row in range(width):
+      sequence = np.asarray(sequences[min(row, len(sequences) - 1)], np.int32)
+      if not len(sequence):
+        raise ValueError("cannot prefill an empty sequence")
+      tokens[row, :len(sequence)] = sequence
+      lengths[row] = len(sequence)
+    return self._prefill_rows(params, tokens, lengths)
+
+  def insert_rows(self, prefix: Prefix, decode_state: DecodeState, slots, *, rngs,
+                  num_generated) -> DecodeState:
+    """Row i of a `prefill_rows` prefix into slots[i], with its key rngs[i] and, as in
+    `insert`, num_generated[i] response tokens at the end of the row; one device call."""
+    slots = np.asarray(slots, np.int32)
+    width = prefix.true_length.shape[0]
+    if slots.ndim != 1 or not 1 <= len(slots) <= width or slots.min() < 0 \
+        or slots.max() >= self._slots:
+      raise ValueError(f"slots must be 1 to {width} slots in [0, {self._slots}), got {slots}")
+    rngs = np.stack([raw_key(rng) for rng in rngs])
+    num_generated = np.asarray(num_generated, np.int32)
+    if rngs.shape != (len(slots), 2) or num_generated.shape != (len(slots),):
+      raise ValueError(f"rngs must be uint32 [{len(slots)}, 2] and num_generated int32 "
+                       f"[{len(slots)}], got {rngs.shape} and {num_generated.shape}")
+    pad = width - len(slots)  # the prefix's repeated last row goes to the last slot again
+    slots = np.concatenate([slots, np.repeat(slots[-1:], pad)])
+    rngs = np.concatenate([rngs, np.repeat(rngs[-1:], pad, axis=0)])
+    num_generated = np.concatenate([num_generated, np.repeat(num_generated[-1:], pad)])
+    return self._insert_rows(prefix, decode_state, slots, rngs, num_generated)
 
   def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
     decode_state, (tokens, log_probs) = self._generate(params, decode_state)
@@ -196,15 +248,18 @@ class Engine:
     return decode_state, ResultTokens(tokens=np.asarray(tokens), log_prob=np.asarray(log_probs))
 
   # ---- helpers ------------------------------------------------------------------------------
-  def pad_to_bucket(self, tokens: np.ndarray) -> np.ndarray:
-    n = len(tokens)
+  def bucket_of(self, n: int) -> int:
+    """The prefill length a sequence of n tokens is padded to."""
     if n == 0:
       raise ValueError("cannot prefill an empty prompt")
     if n > self._max_prefill_length:
       raise ValueError(
           f"prompt of {n} tokens exceeds max_prefill_length={self._max_prefill_length}")
-    bucket = next(b for b in self.buckets if b >= n)
-    out = np.zeros((bucket,), np.int32)
+    return next(b for b in self.buckets if b >= n)
+
+  def pad_to_bucket(self, tokens: np.ndarray) -> np.ndarray:
+    n = len(tokens)
+    out = np.zeros((self.bucket_of(n),), np.int32)
     out[:n] = tokens
     return out
 
@@ -213,6 +268,19 @@ class Engine:
     cache = KVCache.zeros(self.config, 1, tokens.shape[0])
     _, cache = apply(self.graphdef, params, tokens[None, :], None, cache)
     return Prefix(cache=cache, last_token=tokens[true_length - 1], true_length=true_length)
+
+  def _prefill_rows_impl(self, params, tokens, true_lengths):
+    rows = jax.lax.map(lambda row: self._prefill_impl(params, row[0], row[1]),
+                       (tokens, true_lengths))
+    return rows.replace(cache=jax.tree.map(lambda c: c[:, 0], rows.cache))  # [W, bucket, ...]
+
+  def _insert_rows_impl(self, prefix: Prefix, state: DecodeState, slots, rngs, num_generated):
+    def body(i, current):
+      row = Prefix(cache=jax.tree.map(lambda c: jax.lax.dynamic_slice_in_dim(c, i, 1), prefix.cache),
+                   last_token=prefix.last_token[i], true_length=prefix.true_length[i])
+      return self._insert_impl(row, current, slots[i], rngs[i], num_generated[i])
+
+    return jax.lax.fori_loop(0, slots.shape[0], body, state)
 
   def _insert_impl(self, prefix: Prefix, state: DecodeState, slot, rng, num_generated):
     def write(slot_cache, prefix_cache):

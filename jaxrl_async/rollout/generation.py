@@ -2,10 +2,11 @@
 
 `ContinuousBatcher` owns one engine's decode state. Each `step()` refills free slots from the
 pending requests at once (one prefill per prompt, shared by the members of a GRPO group that are
-admitted together), runs one `generate` call, appends each slot's new tokens with their behaviour
+admitted together; resumed partial responses prefilled together in one call), runs one `generate` call, appends each slot's new tokens with their behaviour
 logprobs and the policy version that drew them, and returns the samples that finished (end token
 or max length). A weight swap between steps is either waited for (`drain`), or applied at the
-step boundary with the interrupted samples resumed by 'keep_kv' or 'reprefill'.
+step boundary with the interrupted samples resumed by 'keep_kv' or 'reprefill' (all of them
+in one batched prefill).
 """
 
 from __future__ import annotations
@@ -130,10 +131,10 @@ class ContinuousBatcher:
     self.params = self.engine.load_params(params)
     self.version = int(version)
     for i in active:
-      slot = self._slots[i]
-      slot.request.sample.interruptions += 1
-      if partial_strategy == "reprefill":
-        self._prefill_into(i, slot.request, np.asarray(slot.tokens, np.int32))
+      self._slots[i].request.sample.interruptions += 1
+    if partial_strategy == "reprefill" and active:
+      self._prefill_rows([(i, self._slots[i].request, np.asarray(self._slots[i].tokens, np.int32))
+                          for i in active])
     return len(active)
 
   def submit(self, requests) -> None:
@@ -211,13 +212,14 @@ class ContinuousBatcher:
   def _refill(self) -> None:
     """Fill free slots: one prefill per new prompt, one insert call for all its members."""
     new_prompts = {}  # id(prompt) -> (prefix, slots, keys)
+    resumed = []  # partial responses: prefilled together, prompt + response so far
     for i, slot in enumerate(self._slots):
       if slot is not None or not self._pending:
         continue
       request = self._pending.popleft()
       sample = request.sample
-      if len(sample.response_tokens):  # a resumed partial response: its own prefill
-        self._prefill_into(i, request, sample.response_tokens)
+      if len(sample.response_tokens):
+        resumed.append((i, request, sample.response_tokens))
         self._slots[i] = _Slot(request, sample.response_tokens.tolist(),
                                sample.behaviour_logprobs.tolist(), sample.token_versions.tolist())
         continue
@@ -227,6 +229,8 @@ class ContinuousBatcher:
       new_prompts[key][1].append(i)
       new_prompts[key][2].append(request.key)
       self._slots[i] = _Slot(request)
+    if resumed:
+      self._prefill_rows(resumed)
     for prefix, slots, keys in new_prompts.values():
       self._state = self.engine.insert_many(prefix, self._state, slots, rngs=np.stack(keys))
 
@@ -235,10 +239,19 @@ class ContinuousBatcher:
     return self.engine.prefill(params=self.params, padded_tokens=self.engine.pad_to_bucket(sequence),
                                true_length=len(sequence))
 
-  def _prefill_into(self, slot_index: int, request: GenerationRequest, response: np.ndarray):
-    prefix = self._prefill(np.concatenate([request.sample.prompt_tokens, response]))
-    self._state = self.engine.insert(prefix, self._state, slot_index, rng=request.key,
-                                     num_generated=len(response))
+  def _prefill_rows(self, rows) -> None:
+    """Resume partial responses, rows of (slot, request, response so far): prompt + response
+    prefilled under the current weights, one device call per prefill bucket and one insert
+    call after each (the same numbers as one prefill each: `Engine.prefill_rows`)."""
+    by_bucket = collections.defaultdict(list)
+    for i, request, response in rows:
+      sequence = np.concatenate([request.sample.prompt_tokens, np.asarray(response, np.int32)])
+      by_bucket[self.engine.bucket_of(len(sequence))].append((i, request, sequence, len(response)))
+    for group in by_bucket.values():
+      prefix = self.engine.prefill_rows(params=self.params, sequences=[r[2] for r in group])
+      self._state = self.engine.insert_rows(
+          prefix, self._state, [r[0] for r in group],
+          rngs=np.stack([r[1].key for r in group]), num_generated=[r[3] for r in group])
 
   def _finish(self, slot_index: int, reason: FinishReason) -> Sample:
     slot = self._slots[slot_index]

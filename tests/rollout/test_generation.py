@@ -282,6 +282,48 @@ def test_each_version_is_stamped_with_the_call_that_drew_its_first_token(model, 
     assert sample.timestamps["generated"] > first_under_1
 
 
+def test_reprefill_is_one_prefill_call_per_bucket_not_per_sample(model, engine, monkeypatch):
+  """Four in-flight samples in two prefill buckets: two batched prefill calls at the swap, no
+  single prefill, and the same tokens and logprobs (bit for bit) as one prefill each."""
+  _, params, new_params = model
+  lengths = (3, 5, 9, 12)  # + SWAP_AT tokens: buckets 8, 16, 16, 16
+  batched = _run_with_swap(engine, params, new_params, "reprefill", lengths)
+  calls = []
+  monkeypatch.setattr(engine, "prefill", lambda **kw: calls.append("prefill") or
+                      Engine.prefill(engine, **kw))
+  monkeypatch.setattr(engine, "prefill_rows", lambda **kw: calls.append(len(kw["sequences"]))
+                      or Engine.prefill_rows(engine, **kw))
+
+  batcher = ContinuousBatcher(engine, eos_id=NEVER, max_response_len=MAX_RESPONSE)
+  batcher.set_params(params, 0)
+  batcher.submit(make_requests(lengths))
+  for _ in range(SWAP_AT):
+    batcher.step()
+  calls.clear()
+  batcher.set_params(new_params, 1, partial_strategy="reprefill")
+  assert sorted(calls) == [1, 3]  # one call per bucket, every in-flight sample in one of them
+  # One prefill and insert per sample (what a swap did before) draws the same numbers.
+  single = ContinuousBatcher(engine, eos_id=NEVER, max_response_len=MAX_RESPONSE)
+  single.set_params(params, 0)
+  single.submit(make_requests(lengths))
+  for _ in range(SWAP_AT):
+    single.step()
+  single.set_params(new_params, 1, partial_strategy="keep_kv")
+  for i, slot in enumerate(single._slots):
+    sequence = np.concatenate([slot.request.sample.prompt_tokens, slot.tokens]).astype(np.int32)
+    prefix = Engine.prefill(engine, params=new_params,
+                            padded_tokens=engine.pad_to_bucket(sequence),
+                            true_length=len(sequence))
+    single._state = engine.insert(prefix, single._state, i, rng=slot.request.key,
+                                  num_generated=len(slot.tokens))
+  finished = []
+  while not single.idle:
+    finished += single.step()
+  for uid, sample in by_uid(finished).items():
+    np.testing.assert_array_equal(sample.response_tokens, batched[uid].response_tokens)
+    np.testing.assert_array_equal(sample.behaviour_logprobs, batched[uid].behaviour_logprobs)
+
+
 def test_reprefill_equals_resuming_a_submitted_partial_sample(model, engine):
   _, params, new_params = model
   swapped = _run_with_swap(engine, params, new_params, "reprefill")
