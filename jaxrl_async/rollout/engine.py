@@ -276,8 +276,8 @@ class Engine:
 
   def _insert_rows_impl(self, prefix: Prefix, state: DecodeState, slots, rngs, num_generated):
     def body(i, current):
-      row = Prefix(cache=jax.tree.map(lambda c: jax.lax.dynamic_slice_in_dim(c, i, 1), prefix.cache),
-                   last_token=prefix.last_token[i], true_length=prefix.true_length[i])
+      cache = jax.tree.map(lambda c: jax.lax.dynamic_slice_in_dim(c, i, 1), prefix.cache)
+      row = Prefix(cache=cache, last_token=prefix.last_token[i], true_length=prefix.true_length[i])
       return self._insert_impl(row, current, slots[i], rngs[i], num_generated[i])
 
     return jax.lax.fori_loop(0, slots.shape[0], body, state)

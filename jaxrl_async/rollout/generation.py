@@ -2,11 +2,11 @@
 
 `ContinuousBatcher` owns one engine's decode state. Each `step()` refills free slots from the
 pending requests at once (one prefill per prompt, shared by the members of a GRPO group that are
-admitted together; resumed partial responses prefilled together in one call), runs one `generate` call, appends each slot's new tokens with their behaviour
-logprobs and the policy version that drew them, and returns the samples that finished (end token
-or max length). A weight swap between steps is either waited for (`drain`), or applied at the
-step boundary with the interrupted samples resumed by 'keep_kv' or 'reprefill' (all of them
-in one batched prefill).
+admitted together; resumed partial responses prefilled together, one call per prefill bucket),
+runs one `generate` call, appends each slot's new tokens with their behaviour logprobs and the
+policy version that drew them, and returns the samples that finished (end token or max length).
+A weight swap between steps is either waited for (`drain`), or applied at the step boundary with
+the interrupted samples resumed by 'keep_kv' or 'reprefill' (batched the same way).
 """
 
 from __future__ import annotations
