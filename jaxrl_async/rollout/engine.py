@@ -79,12 +79,6 @@ def prefill_buckets(max_prefill_length: int, smallest: int = 8) -> tuple[int, ..
   return tuple(buckets) + (max_prefill_length,)
 
 
-def row_width(n: int) -> int:
-  """Rows of a batched prefill or insert for n sequences: the next power of two, so calls
-  compile a few widths, not one per count."""
-  return 1 << (n - 1).bit_length()
-
-
 def _out(state_sh, out_shardings) -> dict:
   return {} if state_sh is None else {"out_shardings": out_shardings}
 
@@ -126,9 +120,8 @@ class Engine:
     self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), **_out(state_sh, state_sh))
     self._insert_many = jax.jit(self._insert_many_impl, donate_argnums=(1,),
                                 **_out(state_sh, state_sh))
-    self._prefill_rows = jax.jit(self._prefill_rows_impl)
-    self._insert_rows = jax.jit(self._insert_rows_impl, donate_argnums=(1,),
-                                **_out(state_sh, state_sh))
+    self._prefill_insert = jax.jit(self._prefill_insert_impl, donate_argnums=(1,),
+                                   **_out(state_sh, state_sh))
     # Built by jit so its shardings match the outputs of insert / generate (no recompile).
     self._init_decode_state = jax.jit(self._init_decode_state_impl, **_out(state_sh, state_sh))
 
@@ -190,57 +183,65 @@ class Engine:
     rngs = np.stack([raw_key(rng) for rng in rngs])
     if rngs.shape != (len(slots), 2):
       raise ValueError(f"rngs must be uint32 [{len(slots)}, 2], got {rngs.shape}")
-    # Padded to a power of two by repeating the last slot (writing it again is a no-op), so a
-    # group split over whatever slots are free compiles a few widths, not one per count.
-    width = row_width(len(slots))
-    if width > len(slots):
-      pad = width - len(slots)
-      slots = np.concatenate([slots, np.repeat(slots[-1:], pad)])
-      rngs = np.concatenate([rngs, np.repeat(rngs[-1:], pad, axis=0)])
-    return self._insert_many(prefix, decode_state, slots, rngs)
+    # Padded to every slot (rows past len(slots) are not run): one program per prefix bucket.
+    count, width = len(slots), self._slots
+    if count > width or len(set(slots.tolist())) != count:
+      raise ValueError(f"slots must be distinct, at most {width}, got {slots}")
+    padded = [np.zeros((width,), np.int32), np.zeros((width, 2), np.uint32)]
+    padded[0][:count], padded[1][:count] = slots, rngs
+    return self._insert_many(prefix, decode_state, *padded, np.int32(count))
 
-  def prefill_rows(self, *, params, sequences) -> Prefix:
-    """Several sequences (int32 1-D arrays) prefilled in one device call, each row padded to
-    the bucket of the longest. Each row runs `prefill`'s own program (a loop over rows), so a
-    row whose bucket is its own holds exactly what `prefill` of it alone would: batching never
-    changes a sample's tokens or logprobs. Returns a prefix of `row_width(len(sequences))` rows
-    (the last repeated) for `insert_rows`, one slot per sequence. Used to resume many partial
+  def warm_up(self, params, decode_state: DecodeState, *, resume: bool = True) -> DecodeState:
+    """Runs once every program a rollout meets, at every prefill bucket: prefill and
+    insert_many (admitting a group), prefill_insert (resuming partial responses; with `resume`)
+    and generate, so that none compiles during a run. Writes into the slots of `decode_state`
+    (returned); start from a fresh one after. `params`: any weights of the right shapes."""
+    for bucket in self.buckets:
+      tokens = np.ones((bucket,), np.int32)
+      prefix = self.prefill(params=params, padded_tokens=tokens, true_length=bucket)
+      decode_state = self.insert_many(prefix, decode_state, [0], rngs=np.zeros((1, 2), np.uint32))
+      if resume:
+        decode_state = self.prefill_insert(params=params, decode_state=decode_state,
+                                           sequences=[tokens], slots=[0],
+                                           rngs=np.zeros((1, 2), np.uint32), num_generated=[0])
+    decode_state, _ = self.generate(params, decode_state)
+    return decode_state
+
+  def prefill_insert(self, *, params, decode_state: DecodeState, sequences, slots, rngs,
+                     num_generated) -> DecodeState:
+    """`prefill` of each sequence (int32 1-D) and `insert` of it into slots[i] with its key
+    rngs[i] and num_generated[i] response tokens at its end, all in one device call: a loop over
+    the rows in the program, every row padded to the bucket of the longest. Each row runs
+    `prefill`'s and `insert`'s own programs, so a row whose bucket is its own holds exactly what
+    the two calls would give (batching never changes a sample's tokens or logprobs), and the
+    call compiles once per bucket whatever the number of rows. Used to resume many partial
     responses at once, e.g. every in-flight sample after a weight swap ('reprefill')."""
-    if not len(sequences):
-      raise ValueError("prefill_rows needs at least one sequence")
-    if len(sequences) > self._slots:
-      raise ValueError(f"{len(sequences)} sequences exceed the {self._slots} decode slots")
+    slots = np.asarray(slots, np.int32)
+    count = len(sequences)
+    if not 1 <= count <= self._slots:
+      raise ValueError(f"prefill_insert takes 1 to {self._slots} sequences, got {count}")
+    if slots.shape != (count,) or slots.min() < 0 or slots.max() >= self._slots \
+        or len(set(slots.tolist())) != count:
+      raise ValueError(f"slots must be {count} distinct slots in [0, {self._slots}), got {slots}")
+    rngs = np.stack([raw_key(rng) for rng in rngs])
+    num_generated = np.asarray(num_generated, np.int32)
+    if rngs.shape != (count, 2) or num_generated.shape != (count,):
+      raise ValueError(f"rngs must be uint32 [{count}, 2] and num_generated int32 [{count}], "
+                       f"got {rngs.shape} and {num_generated.shape}")
     bucket = self.bucket_of(max(len(sequence) for sequence in sequences))
-    width = row_width(len(sequences))
+    width = self._slots  # fixed: one program per bucket; rows past `count` are not run
     tokens = np.zeros((width, bucket), np.int32)
-    lengths = np.zeros((width,), np.int32)
-    for row in range(width):
-      sequence = np.asarray(sequences[min(row, len(sequences) - 1)], np.int32)
+    lengths = np.ones((width,), np.int32)
+    for row, sequence in enumerate(sequences):
       if not len(sequence):
         raise ValueError("cannot prefill an empty sequence")
       tokens[row, :len(sequence)] = sequence
       lengths[row] = len(sequence)
-    return self._prefill_rows(params, tokens, lengths)
-
-  def insert_rows(self, prefix: Prefix, decode_state: DecodeState, slots, *, rngs,
-                  num_generated) -> DecodeState:
-    """Row i of a `prefill_rows` prefix into slots[i], with its key rngs[i] and, as in
-    `insert`, num_generated[i] response tokens at the end of the row; one device call."""
-    slots = np.asarray(slots, np.int32)
-    width = prefix.true_length.shape[0]
-    if slots.ndim != 1 or not 1 <= len(slots) <= width or slots.min() < 0 \
-        or slots.max() >= self._slots:
-      raise ValueError(f"slots must be 1 to {width} slots in [0, {self._slots}), got {slots}")
-    rngs = np.stack([raw_key(rng) for rng in rngs])
-    num_generated = np.asarray(num_generated, np.int32)
-    if rngs.shape != (len(slots), 2) or num_generated.shape != (len(slots),):
-      raise ValueError(f"rngs must be uint32 [{len(slots)}, 2] and num_generated int32 "
-                       f"[{len(slots)}], got {rngs.shape} and {num_generated.shape}")
-    pad = width - len(slots)  # the prefix's repeated last row goes to the last slot again
-    slots = np.concatenate([slots, np.repeat(slots[-1:], pad)])
-    rngs = np.concatenate([rngs, np.repeat(rngs[-1:], pad, axis=0)])
-    num_generated = np.concatenate([num_generated, np.repeat(num_generated[-1:], pad)])
-    return self._insert_rows(prefix, decode_state, slots, rngs, num_generated)
+    padded = [np.zeros((width,), np.int32), np.zeros((width, 2), np.uint32),
+              np.zeros((width,), np.int32)]
+    for full, given in zip(padded, (slots, rngs, num_generated), strict=True):
+      full[:count] = given
+    return self._prefill_insert(params, decode_state, tokens, lengths, *padded, np.int32(count))
 
   def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
     decode_state, (tokens, log_probs) = self._generate(params, decode_state)
@@ -269,18 +270,13 @@ class Engine:
     _, cache = apply(self.graphdef, params, tokens[None, :], None, cache)
     return Prefix(cache=cache, last_token=tokens[true_length - 1], true_length=true_length)
 
-  def _prefill_rows_impl(self, params, tokens, true_lengths):
-    rows = jax.lax.map(lambda row: self._prefill_impl(params, row[0], row[1]),
-                       (tokens, true_lengths))
-    return rows.replace(cache=jax.tree.map(lambda c: c[:, 0], rows.cache))  # [W, bucket, ...]
-
-  def _insert_rows_impl(self, prefix: Prefix, state: DecodeState, slots, rngs, num_generated):
+  def _prefill_insert_impl(self, params, state: DecodeState, tokens, lengths, slots, rngs,
+                           num_generated, count):
     def body(i, current):
-      cache = jax.tree.map(lambda c: jax.lax.dynamic_slice_in_dim(c, i, 1), prefix.cache)
-      row = Prefix(cache=cache, last_token=prefix.last_token[i], true_length=prefix.true_length[i])
-      return self._insert_impl(row, current, slots[i], rngs[i], num_generated[i])
+      prefix = self._prefill_impl(params, tokens[i], lengths[i])
+      return self._insert_impl(prefix, current, slots[i], rngs[i], num_generated[i])
 
-    return jax.lax.fori_loop(0, slots.shape[0], body, state)
+    return jax.lax.fori_loop(0, count, body, state)
 
   def _insert_impl(self, prefix: Prefix, state: DecodeState, slot, rng, num_generated):
     def write(slot_cache, prefix_cache):
@@ -296,11 +292,11 @@ class Engine:
         generated=state.generated.at[slot].set(num_generated),
     )
 
-  def _insert_many_impl(self, prefix: Prefix, state: DecodeState, slots, rngs):
+  def _insert_many_impl(self, prefix: Prefix, state: DecodeState, slots, rngs, count):
     def body(i, current):
       return self._insert_impl(prefix, current, slots[i], rngs[i], jnp.int32(0))
 
-    return jax.lax.fori_loop(0, slots.shape[0], body, state)
+    return jax.lax.fori_loop(0, count, body, state)
 
   def _decode_step(self, params, state: DecodeState):
     logits, cache = apply(self.graphdef, params, state.tokens[:, None], state.positions[:, None],

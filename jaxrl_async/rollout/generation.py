@@ -241,17 +241,17 @@ class ContinuousBatcher:
 
   def _prefill_rows(self, rows) -> None:
     """Resume partial responses, rows of (slot, request, response so far): prompt + response
-    prefilled under the current weights, one device call per prefill bucket and one insert
-    call after each (the same numbers as one prefill each: `Engine.prefill_rows`)."""
+    prefilled under the current weights and inserted, one device call per prefill bucket (the
+    same numbers as one prefill and insert each: `Engine.prefill_insert`)."""
     by_bucket = collections.defaultdict(list)
     for i, request, response in rows:
       sequence = np.concatenate([request.sample.prompt_tokens, np.asarray(response, np.int32)])
       by_bucket[self.engine.bucket_of(len(sequence))].append((i, request, sequence, len(response)))
     for group in by_bucket.values():
-      prefix = self.engine.prefill_rows(params=self.params, sequences=[r[2] for r in group])
-      self._state = self.engine.insert_rows(
-          prefix, self._state, [r[0] for r in group],
-          rngs=np.stack([r[1].key for r in group]), num_generated=[r[3] for r in group])
+      self._state = self.engine.prefill_insert(
+          params=self.params, decode_state=self._state, sequences=[r[2] for r in group],
+          slots=[r[0] for r in group], rngs=np.stack([r[1].key for r in group]),
+          num_generated=[r[3] for r in group])
 
   def _finish(self, slot_index: int, reason: FinishReason) -> Sample:
     slot = self._slots[slot_index]

@@ -20,6 +20,7 @@ import time
 
 import grain
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -138,6 +139,9 @@ def build_rollout_side(config: RunConfig, shard_index: int = 0, shard_count: int
                   max_prefill_length=task.max_sequence_len, sampling=config.sampling,
                   steps_per_call=config.decode_steps_per_call, mesh=mesh,
                   logical_axes=spec.logical_axes)
+  if config.precompile_rollout:
+    warm_up_engine(engine, spec.abstract_params,
+                   resume=config.partial_rollout and config.partial_strategy == "reprefill")
   rewards = RewardPool(task.reward, num_workers=config.reward_workers,
                        timeout_s=config.reward_timeout_s, max_retries=config.reward_retries)
   prompts = iter(prompts_lib.shard_prompt_dataset(task, seed=config.seed,
@@ -145,6 +149,14 @@ def build_rollout_side(config: RunConfig, shard_index: int = 0, shard_count: int
                                                   shard_count=shard_count))
   return RolloutSide(config=config, spec=spec, engine=engine, rewards=rewards, prompts=prompts,
                      eval_problems=task.eval_set(config.eval_size))
+
+
+def warm_up_engine(engine: Engine, abstract_params, *, resume: bool) -> None:
+  """`Engine.warm_up` on zero weights of the params' shapes (placed as the engine places
+  weights), on a decode state dropped after."""
+  params = engine.load_params(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                                           abstract_params))
+  jax.block_until_ready(engine.warm_up(params, engine.init_decode_state(), resume=resume))
 
 
 # ---- the learner side ----------------------------------------------------------------------

@@ -217,51 +217,62 @@ def test_insert_many_equals_inserts_one_by_one(model):
   together = engine.insert_many(prefix, engine.init_decode_state(), [3, 0, 2], rngs=keys)
   for a, b in zip(jax.tree.leaves(one_by_one), jax.tree.leaves(together)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  engine.insert_many(prefix, engine.init_decode_state(), [1], rngs=keys[:1])
+  assert engine._insert_many._cache_size() == 1  # one program whatever the group's size
+  with pytest.raises(ValueError, match="slots must be distinct"):
+    engine.insert_many(prefix, engine.init_decode_state(), [1, 1], rngs=keys[:2])
   with pytest.raises(ValueError, match="slots must be a non-empty list"):
     engine.insert_many(prefix, engine.init_decode_state(), [4], rngs=keys[:1])
   with pytest.raises(ValueError, match="rngs must be uint32"):
     engine.insert_many(prefix, engine.init_decode_state(), [0, 1], rngs=keys[:1])
 
 
-def test_prefill_rows_equal_one_prefill_each_and_insert_rows_equal_inserts(model):
+def test_prefill_insert_equals_one_prefill_and_insert_each(model):
   """A batched re-prefill holds, row for row, exactly what one prefill and insert each would:
-  the same caches, last tokens, positions, keys and response counts (bit for bit)."""
+  the same caches, last tokens, positions, keys and response counts (bit for bit), whatever
+  the number of rows (one program per bucket)."""
   graphdef, params, _ = model
   engine = Engine(graphdef, CONFIG, max_concurrent_decodes=SLOTS, max_prefill_length=16)
   sequences = [np.asarray(PROMPTS[p].tolist() + [3, 4][:i], np.int32)
                for i, p in enumerate((1, 3, 0))]
   assert {engine.bucket_of(len(s)) for s in sequences} == {8}  # one bucket: the rows' own
   slots, keys, generated = [2, 0, 3], [sample_key(1, 7, m) for m in range(3)], [0, 1, 2]
-  one_by_one = engine.init_decode_state()
-  for sequence, slot, key, n in zip(sequences, slots, keys, generated):
-    prefix = engine.prefill(params=params, padded_tokens=engine.pad_to_bucket(sequence),
-                            true_length=len(sequence))
-    one_by_one = engine.insert(prefix, one_by_one, slot, rng=key, num_generated=n)
-  rows = engine.prefill_rows(params=params, sequences=sequences)
-  assert rows.true_length.shape == (4,)  # 3 rows padded to a power of two, the last repeated
-  np.testing.assert_array_equal(np.asarray(rows.true_length), [len(s) for s in sequences]
-                                + [len(sequences[-1])])
-  together = engine.insert_rows(rows, engine.init_decode_state(), slots, rngs=keys,
-                                num_generated=generated)
-  for a, b in zip(jax.tree.leaves(one_by_one), jax.tree.leaves(together)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  for n in (3, 1):
+    one_by_one = engine.init_decode_state()
+    for sequence, slot, key, k in zip(sequences[:n], slots, keys, generated):
+      prefix = engine.prefill(params=params, padded_tokens=engine.pad_to_bucket(sequence),
+                              true_length=len(sequence))
+      one_by_one = engine.insert(prefix, one_by_one, slot, rng=key, num_generated=k)
+    together = engine.prefill_insert(params=params, decode_state=engine.init_decode_state(),
+                                     sequences=sequences[:n], slots=slots[:n], rngs=keys[:n],
+                                     num_generated=generated[:n])
+    for a, b in zip(jax.tree.leaves(one_by_one), jax.tree.leaves(together)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert engine._prefill_insert._cache_size() == 1
 
 
-def test_prefill_rows_and_insert_rows_argument_errors(model):
+def test_prefill_insert_argument_errors(model):
   graphdef, params, _ = model
   engine = Engine(graphdef, CONFIG, max_concurrent_decodes=2, max_prefill_length=8)
-  with pytest.raises(ValueError, match="at least one sequence"):
-    engine.prefill_rows(params=params, sequences=[])
-  with pytest.raises(ValueError, match="3 sequences exceed the 2 decode slots"):
-    engine.prefill_rows(params=params, sequences=[PROMPTS[1]] * 3)
-  with pytest.raises(ValueError, match="exceeds max_prefill_length=8"):
-    engine.prefill_rows(params=params, sequences=[np.ones(9, np.int32)])
-  with pytest.raises(ValueError, match="empty"):
-    engine.prefill_rows(params=params, sequences=[PROMPTS[1], np.zeros(0, np.int32)])
-  rows = engine.prefill_rows(params=params, sequences=[PROMPTS[1], PROMPTS[3]])
   state = engine.init_decode_state()
-  with pytest.raises(ValueError, match=r"slots must be 1 to 2 slots in \[0, 2\)"):
-    engine.insert_rows(rows, state, [0, 1, 1], rngs=[sample_key(0, 0, 0)] * 3,
-                       num_generated=[0, 0, 0])
-  with pytest.raises(ValueError, match="rngs must be uint32 \\[2, 2\\] and num_generated"):
-    engine.insert_rows(rows, state, [0, 1], rngs=[sample_key(0, 0, 0)], num_generated=[0, 0])
+  key = sample_key(0, 0, 0)
+
+  def call(sequences, slots, rngs=None, generated=None):
+    engine.prefill_insert(params=params, decode_state=state, sequences=sequences, slots=slots,
+                          rngs=[key] * len(slots) if rngs is None else rngs,
+                          num_generated=[0] * len(slots) if generated is None else generated)
+
+  with pytest.raises(ValueError, match="takes 1 to 2 sequences, got 0"):
+    call([], [])
+  with pytest.raises(ValueError, match="takes 1 to 2 sequences, got 3"):
+    call([PROMPTS[1]] * 3, [0, 1, 1])
+  with pytest.raises(ValueError, match=r"slots must be 2 distinct slots in \[0, 2\)"):
+    call([PROMPTS[1]] * 2, [1, 1])
+  with pytest.raises(ValueError, match=r"slots must be 1 distinct slots in \[0, 2\)"):
+    call([PROMPTS[1]], [2])
+  with pytest.raises(ValueError, match=r"rngs must be uint32 \[2, 2\] and num_generated"):
+    call([PROMPTS[1]] * 2, [0, 1], rngs=[key])
+  with pytest.raises(ValueError, match="exceeds max_prefill_length=8"):
+    call([np.ones(9, np.int32)], [0])
+  with pytest.raises(ValueError, match="empty"):
+    call([PROMPTS[1], np.zeros(0, np.int32)], [0, 1])

@@ -179,8 +179,31 @@ def test_steps_per_call_stops_at_eos_inside_a_call(model, engine):
 
 # ---- weight swaps ------------------------------------------------------------------------------
 def _cache_sizes(engine):
-  return {name: getattr(engine, name)._cache_size() for name in ("_generate", "_prefill",
-                                                                  "_insert")}
+  return {name: getattr(engine, name)._cache_size()
+          for name in ("_generate", "_prefill", "_insert", "_insert_many", "_prefill_insert")}
+
+
+def test_after_warm_up_nothing_compiles_during_generation(model):
+  """`Engine.warm_up` runs every program a rollout meets at every bucket: admissions of groups
+  of any size, swaps with samples in flight ('reprefill') and decoding then compile nothing."""
+  graphdef, params, new_params = model
+  engine = Engine(graphdef, CONFIG, max_concurrent_decodes=SLOTS, max_prefill_length=32)
+  engine.warm_up(params, engine.init_decode_state())
+  sizes = _cache_sizes(engine)
+  assert sizes == {"_generate": 1, "_prefill": len(engine.buckets), "_insert": 0,
+                   "_insert_many": len(engine.buckets),
+                   "_prefill_insert": len(engine.buckets)}
+  batcher = ContinuousBatcher(engine, eos_id=EOS, max_response_len=MAX_RESPONSE)
+  batcher.set_params(params, 0)
+  batcher.submit(make_requests(group_size=3))
+  for version in range(1, 4):
+    for _ in range(3):
+      batcher.step()
+    batcher.set_params((params, new_params)[version % 2], version,
+                       partial_strategy="reprefill")
+  while not batcher.idle:
+    batcher.step()
+  assert _cache_sizes(engine) == sizes
 
 
 def test_weight_swap_does_not_recompile(model, engine):
@@ -291,8 +314,8 @@ def test_reprefill_is_one_prefill_call_per_bucket_not_per_sample(model, engine, 
   calls = []
   monkeypatch.setattr(engine, "prefill", lambda **kw: calls.append("prefill") or
                       Engine.prefill(engine, **kw))
-  monkeypatch.setattr(engine, "prefill_rows", lambda **kw: calls.append(len(kw["sequences"]))
-                      or Engine.prefill_rows(engine, **kw))
+  monkeypatch.setattr(engine, "prefill_insert", lambda **kw: calls.append(
+      len(kw["sequences"])) or Engine.prefill_insert(engine, **kw))
 
   batcher = ContinuousBatcher(engine, eos_id=NEVER, max_response_len=MAX_RESPONSE)
   batcher.set_params(params, 0)
