@@ -106,9 +106,6 @@ class RunConfig:
   backend: str = "threads"
   num_rollout_servers: int = 1  # rollout server processes ('processes') or actors ('ray')
   heartbeat_timeout_s: float = 10.0  # a rollout server silent this long is replaced
-  # 'processes': the cores of this process (the learner, buffer service, reward pool): 'all',
-  # or 'share', its own share beside the servers' (child.core_shares; docs/backends.md).
-  learner_cores: str = "all"
   # 'ray': custom resources naming the nodes of each side (None = any node), and what each
   # rollout actor asks Ray for.
   ray_learner_resource: str | None = None
@@ -171,10 +168,6 @@ class RunConfig:
     if self.backend != "threads" and self.mode == "sync":
       raise ValueError(f"backend={self.backend!r} runs the roles of the async modes apart; "
                        "mode='sync' is serial and runs in one process: use backend='threads'")
-    _choice("learner_cores", self.learner_cores, ("all", "share"))
-    if self.learner_cores != "all" and self.backend != "processes":
-      raise ValueError(f"learner_cores={self.learner_cores!r} needs backend='processes' (the "
-                       f"{self.backend!r} backend does not place processes on cores)")
     if self.backend == "threads" and self.num_rollout_servers != 1:
       raise ValueError(f"num_rollout_servers={self.num_rollout_servers} needs backend "
                        "'processes' or 'ray' (backend='threads' runs one rollouter)")

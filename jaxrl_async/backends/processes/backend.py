@@ -10,7 +10,6 @@ Servers are added and retired during the run through `<run_dir>/fleet_control`
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 from collections.abc import Iterator
@@ -65,18 +64,15 @@ class ProcessesBackend(Backend):
     buffer = buffer_for(cfg)
     channel, channel_spec = make_channel(parts, run_dir)
     service = BufferService(buffer).start()
-    parent_cores, server_cores = child.core_shares(cfg.num_rollout_servers)
+    _, server_cores = child.core_shares(cfg.num_rollout_servers)
     fleet = ProcessFleet(cfg, service, channel_spec, cores=server_cores,
                          heartbeat_timeout_s=cfg.heartbeat_timeout_s,
                          status_path=os.path.join(run_dir, "rollout_servers.json"),
                          control_path=os.path.join(run_dir, fleet_control.CONTROL_FILE),
                          log=log)
-    pinned = (child.this_process_on(parent_cores) if cfg.learner_cores == "share"
-              else contextlib.nullcontext())
     try:
-      with pinned:
-        yield Connection(buffer=buffer, channel=channel, fleet=fleet,
-                         started_groups=service.started_groups)
+      yield Connection(buffer=buffer, channel=channel, fleet=fleet,
+                       started_groups=service.started_groups)
     finally:
       try:
         fleet.stop()

@@ -41,25 +41,6 @@ def core_shares(num_children: int, cores: list[int] | None = None) -> tuple[list
   return shares[0], shares[1:]
 
 
-@contextlib.contextmanager
-def this_process_on(cores: list[int]):
-  """Every thread of this process (and every thread started meanwhile) on `cores`, then back
-  on the cores it had. XLA's thread pool keeps its size: on fewer cores its workers take turns
-  there instead of one of them waiting on a core a rollout server holds."""
-  before = os.sched_getaffinity(0)
-
-  def pin(target) -> None:
-    for tid in os.listdir("/proc/self/task"):
-      with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-        os.sched_setaffinity(int(tid), target)
-
-  pin(cores)
-  try:
-    yield
-  finally:
-    pin(before)
-
-
 def child_env(cores: list[int]) -> dict[str, str]:
   """Environment for a child on `cores`: one XLA intra-op thread pool of that size."""
   threads = str(max(1, len(cores)))
