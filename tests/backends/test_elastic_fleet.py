@@ -38,9 +38,10 @@ def test_a_run_of_two_servers_resumes_with_three_then_with_one(tmp_path):
 
 @pytest.mark.slow
 def test_a_server_added_and_one_retired_mid_run_leave_a_clean_ledger(tmp_path):
-  # a tiny version takes tens of ms once the servers run, and a command is read at the next
-  # heartbeat (1 s): enough versions that both commands land mid-run
-  config = small_config(120, num_rollout_servers=2)
+  # a tiny version takes tens of ms once the servers run, a command is read at the next
+  # heartbeat (1 s) and an added server warms its engine up before it starts (a few seconds
+  # on a loaded machine): enough versions that both commands land mid-run
+  config = small_config(240, num_rollout_servers=2)
   run = BackgroundRun(config, tmp_path)
   grow_then_retire(run)
   check_grown_and_shrunk(tmp_path, run.finish(), config)
