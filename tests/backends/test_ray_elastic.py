@@ -32,7 +32,7 @@ from tests.backends.test_ray_resize import cluster  # noqa: E402, F401 (the fixt
 def test_a_ray_actor_added_and_one_retired_mid_run_leave_a_clean_ledger(tmp_path):
   # a command is read at the driver's next heartbeat (1 s), and each change of shape restarts
   # the actors (seconds): enough versions that both commands land mid-run
-  config = small_config(120, num_rollout_servers=2, backend="ray",
+  config = small_config(240, num_rollout_servers=2, backend="ray",
                         ray_learner_resource="learner", ray_rollout_resource="rollout",
                         ray_rollout_cpus=0.5)
   run = BackgroundRun(config, tmp_path)
