@@ -206,7 +206,7 @@ def verifier_processes() -> list:
     with contextlib.suppress(psutil.Error):
       for process in psutil.Process(parent).children():
         with contextlib.suppress(psutil.Error):
-          if "jaxrl_async.tasks.verifier_service" in " ".join(process.cmdline()):
+          if "jaxrl_async.tasks.verifier_server" in " ".join(process.cmdline()):
             found.append(process)
   return found
 

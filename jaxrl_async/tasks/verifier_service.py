@@ -10,25 +10,25 @@ times `time_scale`, a pure function of (`seed`, id). The answer is the exact che
 request's queue wait and service time. Wire: a 4-byte big-endian length, then a UTF-8 JSON
 object; operations `verify` {id, prompt, response}, `stats`, `stop`. The service exits on
 `stop`, when its stdin reaches EOF (its starter died) or when its parent process is gone.
+The service itself runs in its own process: `verifier_server`.
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import collections
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import select
 import socket
+import statistics
 import struct
 import subprocess
 import sys
 import threading
-import time
 from typing import Any
 
 import numpy as np
@@ -38,9 +38,7 @@ from jaxrl_async.tasks.tokenizer import DIGIT_IDS, EOS_ID
 
 HOST = "127.0.0.1"  # loopback only: the service is never reachable from another machine
 MAX_MESSAGE_BYTES = 1 << 20
-_HEADER = struct.Struct(">I")
-_POLL_S = 0.2  # how often blocked service threads look for a stop
-_MESSAGE_TIMEOUT_S = 30.0  # a message that has begun must arrive whole within this
+HEADER = struct.Struct(">I")
 
 
 class VerifierError(RuntimeError):
@@ -97,163 +95,73 @@ class VerifierSettings:
       bad("timeout_fraction", "in [0, 1)")
 
 
+_MASK64 = (1 << 64) - 1
+_STANDARD_NORMAL = statistics.NormalDist()
+
+
+def _mix64(x: int) -> int:
+  """SplitMix64's finaliser: a bijection of 64-bit ints whose outputs pass as uniform."""
+  x = (x + 0x9E3779B97F4A7C15) & _MASK64
+  x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+  x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+  return x ^ (x >> 31)
+
+
+def _uniform(seed: int, request_id: int, draw: int) -> float:
+  """Draw `draw` of request `request_id` under `seed`: uniform on the open interval (0, 1)."""
+  bits = _mix64(_mix64(seed) ^ ((2 * request_id + draw) & _MASK64)) >> 11
+  return (bits + 0.5) / (1 << 53)
+
+
 def latency_s(settings: VerifierSettings, request_id: int) -> float:
-  """Seconds request `request_id` (an int >= 0) takes in the service, `time_scale` applied."""
-  rng = np.random.default_rng([settings.seed, int(request_id)])
-  if rng.random() < settings.timeout_fraction:
+  """Seconds request `request_id` (an int >= 0) takes in the service, `time_scale` applied.
+  Pure Python on two hashed uniforms (a few microseconds: the service's own CPU is not the
+  latency it stands for)."""
+  request_id = int(request_id)
+  if _uniform(settings.seed, request_id, 0) < settings.timeout_fraction:
     seconds = settings.latency_max_s
   else:
-    seconds = settings.latency_median_s * float(np.exp(settings.latency_sigma
-                                                       * rng.standard_normal()))
+    normal = _STANDARD_NORMAL.inv_cdf(_uniform(settings.seed, request_id, 1))
+    seconds = settings.latency_median_s * math.exp(settings.latency_sigma * normal)
     seconds = min(max(seconds, settings.latency_min_s), settings.latency_max_s)
   return seconds * settings.time_scale
 
 
+_DIGITS = frozenset(DIGIT_IDS)
+
+
 def digit_reverse_check(prompt_tokens, response_tokens) -> float:
   """1.0 iff the response is the prompt's digits reversed, then <eos> (DigitReverseTask's)."""
-  target = [int(t) for t in prompt_tokens if int(t) in DIGIT_IDS][::-1]
+  target = [t for t in map(int, prompt_tokens) if t in _DIGITS][::-1]
   return reverse_reward(response_tokens, target, EOS_ID)
 
 
 # ---- wire ----------------------------------------------------------------------------------
 def send_message(sock: socket.socket, message: dict[str, Any]) -> None:
   body = json.dumps(message).encode()
-  sock.sendall(_HEADER.pack(len(body)) + body)
+  sock.sendall(HEADER.pack(len(body)) + body)
 
 
 def recv_message(sock: socket.socket) -> dict[str, Any]:
-  def exactly(size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-      chunk = sock.recv(min(size - len(data), 1 << 16))
-      if not chunk:
-        raise ConnectionError("connection closed by the other side")
-      data += chunk
-    return data
-
-  (size,) = _HEADER.unpack(exactly(_HEADER.size))
-  if size > MAX_MESSAGE_BYTES:
-    raise ConnectionError(f"message of {size} bytes is over the limit {MAX_MESSAGE_BYTES}")
-  message = json.loads(exactly(size))
+  """One whole message (usually one `recv`). The other side sends only answers, one per
+  request, so a byte after the message is a broken connection."""
+  data, size = b"", None
+  while size is None or len(data) < HEADER.size + size:
+    chunk = sock.recv(1 << 16 if size is None else HEADER.size + size - len(data))
+    if not chunk:
+      raise ConnectionError("connection closed by the other side")
+    data += chunk
+    if size is None and len(data) >= HEADER.size:
+      (size,) = HEADER.unpack_from(data)
+      if size > MAX_MESSAGE_BYTES:
+        raise ConnectionError(f"message of {size} bytes is over the limit {MAX_MESSAGE_BYTES}")
+  if len(data) > HEADER.size + size:
+    raise ConnectionError(f"{len(data) - HEADER.size - size} bytes after a message: the "
+                          "other side does not speak this protocol")
+  message = json.loads(data[HEADER.size:])
   if not isinstance(message, dict):
     raise ConnectionError(f"message is not a JSON object: {message!r}")
   return message
-
-
-# ---- the service (in its own process) ------------------------------------------------------
-class VerifierServer:
-  """On 127.0.0.1: one thread runs an event loop; each connection's requests are answered in
-  turn, at most `concurrency` of all connections' requests are verified at once (an asyncio
-  semaphore, FIFO beyond). One thread and no hand-offs between threads keep the service's own
-  CPU per request small: the published latency is the service's cost, not its Python."""
-
-  def __init__(self, settings: VerifierSettings, port: int = 0):
-    self.settings = settings
-    self.listener = socket.create_server((HOST, port))
-    self.stopped = threading.Event()  # set by `stop`, or by the watchers of the parent
-    self._counts = {"requests": 0, "completed": 0, "errors": 0, "active": 0, "max_active": 0,
-                    "queued": 0, "queue_s": 0.0, "max_queue_s": 0.0, "service_s": 0.0}
-
-  def serve(self) -> None:
-    """Serves until `stopped` is set; requests still waiting then get no answer."""
-    asyncio.run(self._serve())
-
-  async def _serve(self) -> None:
-    self._slots = asyncio.Semaphore(self.settings.concurrency)
-    self.listener.setblocking(False)
-    server = await asyncio.start_server(self._handle, sock=self.listener)
-    async with server:
-      while not self.stopped.is_set():
-        await asyncio.sleep(_POLL_S)
-
-  async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-      while not self.stopped.is_set():
-        (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
-        if size > MAX_MESSAGE_BYTES:
-          return
-        message = json.loads(await asyncio.wait_for(reader.readexactly(size),
-                                                    _MESSAGE_TIMEOUT_S))
-        if not isinstance(message, dict):
-          return
-        body = json.dumps(await self._answer(message)).encode()
-        writer.write(_HEADER.pack(len(body)) + body)
-        await writer.drain()
-    except (asyncio.IncompleteReadError, TimeoutError, OSError, ValueError):
-      return  # the client went away or sent garbage: drop its connection
-    except asyncio.CancelledError:
-      return  # the service stops: its connections end unanswered
-    finally:
-      writer.close()
-
-  async def _answer(self, request: dict[str, Any]) -> dict[str, Any]:
-    op = request.get("op")
-    if op == "verify":
-      return await self._verify(request)
-    if op == "stats":
-      return {"ok": True, "concurrency": self.settings.concurrency, **self._counts}
-    if op == "stop":
-      self.stopped.set()
-      return {"ok": True}
-    return {"ok": False, "error": f"unknown op {op!r}; allowed: 'verify', 'stats', 'stop'"}
-
-  async def _verify(self, request: dict[str, Any]) -> dict[str, Any]:
-    counts, arrived = self._counts, time.monotonic()
-    counts["requests"] += 1
-    counts["queued"] += 1
-    async with self._slots:
-      started, started_at = time.monotonic(), time.time()
-      counts["queued"] -= 1
-      counts["active"] += 1
-      counts["max_active"] = max(counts["max_active"], counts["active"])
-      try:
-        request_id = int(request["id"])
-        if request_id < 0:
-          raise ValueError(f"request id must be >= 0, got {request_id}")
-        await asyncio.sleep(latency_s(self.settings, request_id))
-        reply = {"ok": True, "id": request_id,
-                 "reward": digit_reverse_check(request["prompt"], request["response"])}
-      except Exception as error:  # a malformed request is answered, never fatal to the service
-        reply = {"ok": False, "error": f"{type(error).__name__}: {error}"}
-      finally:
-        counts["active"] -= 1
-    queue_s, service_s = started - arrived, time.monotonic() - started
-    counts["completed" if reply["ok"] else "errors"] += 1
-    counts["queue_s"] += queue_s
-    counts["max_queue_s"] = max(counts["max_queue_s"], queue_s)
-    counts["service_s"] += service_s
-    return {**reply, "queue_s": queue_s, "service_s": service_s, "started_at": started_at,
-            "finished_at": time.time()}
-
-
-def _watch_parent(server: VerifierServer, parent_pid: int) -> None:
-  """Stops the server at EOF on stdin (the starter closed it or died) or on re-parenting."""
-  def stdin_closed() -> None:
-    with contextlib.suppress(OSError, ValueError):
-      while sys.stdin.buffer.read(1 << 12):
-        pass
-    server.stopped.set()
-
-  def parent_gone() -> None:
-    while not server.stopped.wait(_POLL_S):
-      if os.getppid() != parent_pid:
-        server.stopped.set()
-
-  for watch in (stdin_closed, parent_gone):
-    threading.Thread(target=watch, name=f"verifier-{watch.__name__}", daemon=True).start()
-
-
-def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description="A verifier service on 127.0.0.1.")
-  parser.add_argument("--settings", required=True, help="VerifierSettings as a JSON object")
-  parser.add_argument("--parent_pid", type=int, required=True)
-  args = parser.parse_args(argv)
-  server = VerifierServer(VerifierSettings(**json.loads(args.settings)))  # on a free port
-  _watch_parent(server, args.parent_pid)
-  host, port = server.listener.getsockname()[:2]
-  print(json.dumps({"host": host, "port": port, "pid": os.getpid()}), flush=True)  # the address
-  server.serve()
-  return 0
 
 
 # ---- the caller's side ---------------------------------------------------------------------
@@ -345,7 +253,7 @@ class VerifierProcess:
     root = str(pathlib.Path(__file__).resolve().parents[2])  # the package, wherever it runs
     paths = [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     process = subprocess.Popen(
-        [sys.executable, "-m", "jaxrl_async.tasks.verifier_service", "--parent_pid",
+        [sys.executable, "-m", "jaxrl_async.tasks.verifier_server", "--parent_pid",
          str(os.getpid()), "--settings", json.dumps(dataclasses.asdict(settings))],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)}, start_new_session=True)
@@ -382,7 +290,3 @@ class VerifierProcess:
         self.process.kill()
         self.process.wait(timeout=timeout_s)
     return self.process.returncode
-
-
-if __name__ == "__main__":
-  sys.exit(main())
