@@ -175,21 +175,31 @@ def sum_pairs(accumulated: dict, metrics: Mapping) -> dict:
 def staleness_metrics(groups, learner_version: int) -> dict[str, float]:
   """algo/version_gap_*, stale_ratio, partial_ratio, max_partial_span, version_gap_counts for
   consumed groups."""
-  samples = [sample for group in groups for sample in group]
-  partial = sum(sample.is_partial for sample in samples)
-  spans = [0]
-  spans.extend(sample.version_span for sample in samples)
-  gaps = _version_gaps([sample.token_versions for sample in samples], learner_version)
+  return staleness_and_gaps(groups, learner_version)[0]
+
+
+def staleness_and_gaps(groups, learner_version: int) -> tuple[dict[str, float], np.ndarray]:
+  """`staleness_metrics` and every consumed token's version gap (concatenated). A few array
+  operations over the joined tokens, not a few per sample: this runs on the learner's path."""
+  token_versions = [sample.token_versions for group in groups for sample in group]
+  gaps = _version_gaps(token_versions, learner_version)
+  lengths = np.fromiter(map(len, token_versions), np.int64, len(token_versions))
+  filled = lengths[lengths > 0]
+  if filled.size:  # a sample's span is max - min of its tokens' gaps, as of their versions
+    starts = np.cumsum(filled) - filled
+    spans = np.maximum.reduceat(gaps, starts) - np.minimum.reduceat(gaps, starts)
+  else:
+    spans = np.zeros((0,), np.int64)
   counts = np.bincount(np.maximum(gaps, 0).astype(np.int64)) if gaps.size else []
   return {
       "algo/version_gap_mean": float(gaps.mean()) if gaps.size else 0.0,
       "algo/version_gap_max": float(gaps.max()) if gaps.size else 0.0,
       "algo/stale_ratio": float(np.mean(gaps >= 1)) if gaps.size else 0.0,
-      "algo/partial_ratio": partial / max(len(samples), 1),
-      "algo/max_partial_span": float(max(spans)),
+      "algo/partial_ratio": int(np.count_nonzero(spans)) / max(len(token_versions), 1),
+      "algo/max_partial_span": float(max(int(spans.max()), 0) if spans.size else 0),
       # Consumed tokens per version gap (index = gap): the version-gap histogram.
       "algo/version_gap_counts": [int(c) for c in counts],
-  }
+  }, gaps
 
 
 def _version_gaps(token_versions: list, learner_version: int) -> np.ndarray:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 
+import hypothesis
 import numpy as np
 import pytest
+from hypothesis import strategies as st
 
 from jaxrl_async.run import api, build
 from jaxrl_async.run.replay import replay
@@ -20,6 +22,7 @@ from jaxrl_async.run.schedule_record import (
   interval_path,
   recorded_ends,
   version_segments,
+  version_segments_many,
 )
 from jaxrl_async.types import Sample
 from tests.backends.test_backend_contract import tiny_config
@@ -52,6 +55,18 @@ def test_version_segments_run_length_encode_the_per_token_versions():
   assert versions.tolist() == [3, 4, 6] and lengths.tolist() == [2, 1, 3]
   versions, lengths = version_segments(np.zeros((0,), np.int32))
   assert versions.size == 0 and lengths.size == 0
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(arrays=st.lists(st.lists(st.integers(0, 5), max_size=8), max_size=6))
+def test_version_segments_many_is_version_segments_of_each_array_joined(arrays):
+  arrays = [np.asarray(a, np.int32) for a in arrays]
+  counts, versions, lengths = version_segments_many(arrays)
+  each = [version_segments(a) for a in arrays]
+  assert counts.dtype == versions.dtype == lengths.dtype == np.int32
+  assert counts.tolist() == [len(v) for v, _ in each]
+  assert versions.tolist() == [int(x) for v, _ in each for x in v]
+  assert lengths.tolist() == [int(x) for _, n in each for x in n]
 
 
 def sample(group_id, member, versions, reward):

@@ -27,7 +27,7 @@ from jaxrl_async.learner.schedule import (
   drive,
   learner_schedule,
 )
-from jaxrl_async.metrics import RoleTimer, staleness_metrics, sum_pairs
+from jaxrl_async.metrics import RoleTimer, staleness_and_gaps, staleness_metrics, sum_pairs
 from jaxrl_async.roles import RoleThread
 from jaxrl_async.sync.channel import WeightChannel
 
@@ -38,7 +38,7 @@ class StalenessViolation(AssertionError):
 
 def check_staleness(groups, learner_version: int, *, on_policy: bool,
                     max_version_gap: int | None) -> dict[str, float]:
-  stats = staleness_metrics(groups, learner_version)
+  stats, gaps = staleness_and_gaps(groups, learner_version)
   gap = stats["algo/version_gap_max"]
   if on_policy and gap != 0:
     raise StalenessViolation(
@@ -46,7 +46,7 @@ def check_staleness(groups, learner_version: int, *, on_policy: bool,
   if max_version_gap is not None and gap > max_version_gap:
     raise StalenessViolation(
         f"consumed a token with version gap {gap} > max_version_gap={max_version_gap}")
-  newest = max(s.max_version for g in groups for s in g)
+  newest = learner_version - int(gaps.min()) if gaps.size else -1  # the newest token's version
   if newest > learner_version:
     raise StalenessViolation(
         f"consumed a token from version {newest}, newer than the learner's {learner_version}")

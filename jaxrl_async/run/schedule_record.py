@@ -84,11 +84,10 @@ def encode_groups(groups) -> dict[str, list[np.ndarray]]:
                                                  np.int32))
     columns["response_tokens"].extend(s.response_tokens for s in group)
     columns["behaviour_logprobs"].extend(s.behaviour_logprobs for s in group)
-    for sample in group:
-      versions, lengths = version_segments(sample.token_versions)
-      columns["segment_count"].append(np.asarray([len(versions)], np.int32))
-      columns["segment_version"].append(versions)
-      columns["segment_length"].append(lengths)
+    counts, versions, lengths = version_segments_many([s.token_versions for s in group])
+    columns["segment_count"].append(counts)
+    columns["segment_version"].append(versions)
+    columns["segment_length"].append(lengths)
   return columns
 
 
@@ -107,6 +106,23 @@ def version_segments(token_versions: np.ndarray) -> tuple[np.ndarray, np.ndarray
   starts = np.flatnonzero(np.diff(token_versions, prepend=token_versions[0] - 1))
   lengths = np.diff(np.append(starts, len(token_versions)))
   return token_versions[starts].astype(np.int32), lengths.astype(np.int32)
+
+
+def version_segments_many(token_versions) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """`version_segments` of several arrays at once: (segments of each array int32 [N], their
+  versions int32 [K] and lengths int32 [K], one array's after another's)."""
+  sizes = np.fromiter(map(len, token_versions), np.int64, len(token_versions))
+  if not sizes.sum():
+    return np.zeros((len(sizes),), np.int32), np.zeros((0,), np.int32), np.zeros((0,), np.int32)
+  joined = np.concatenate([np.asarray(v, np.int32).reshape(-1) for v in token_versions])
+  begins = np.zeros(len(joined), bool)
+  begins[(np.cumsum(sizes) - sizes)[sizes > 0]] = True  # every array starts a segment
+  begins[1:] |= joined[1:] != joined[:-1]  # and so does every change of version
+  starts = np.flatnonzero(begins)
+  lengths = np.diff(np.append(starts, len(joined)))
+  owners = np.repeat(np.arange(len(sizes)), sizes)[starts]
+  return (np.bincount(owners, minlength=len(sizes)).astype(np.int32),
+          joined[starts].astype(np.int32), lengths.astype(np.int32))
 
 
 GROUP_COLUMNS = ("group_id", "prompt_id", "prompt_length", "prompt_tokens", "meta")
