@@ -27,6 +27,11 @@ each measured once and shared by every mode:
 The learner's fixed share of an update (`learner_fixed_fraction`) comes from the ceiling's
 `roles` (the learner loop on whole and on half batches), or `--learner_fixed_fraction`.
 
+`--repeats R` runs every mode R times, round by round (each round every mode once, in order):
+each measured figure is the median over the rounds (one run's samples/s moves by about 15% on a
+loaded 2-core machine, as much as the bar), and the profile is fitted on the sync round of
+median samples/s.
+
 Prints predicted and measured samples/s, the error, idle ratios and hand-off p50s per mode.
 """
 
@@ -38,6 +43,7 @@ import glob
 import json
 import math
 import os
+import statistics
 import sys
 import time
 
@@ -101,6 +107,20 @@ def buffer_cost(backend: str) -> tuple[float, str]:
   return (calibrate.buffer_s_per_sample(cross_rate, local_rate),
           f"{cross_name}: columnar_x4 {cross_rate:.0f} samples/s; {local_name}: "
           f"{local_rate:.0f} samples/s in-process")
+
+
+def run_dirs(work_dir: str, mode: str, repeats: int) -> list[str]:
+  """A mode's run directories: `<work_dir>/<mode>` for one round, else one per round,
+  `<work_dir>/<mode>-r<k>`."""
+  if repeats == 1:
+    return [os.path.join(work_dir, mode)]
+  return [os.path.join(work_dir, f"{mode}-r{k}") for k in range(1, repeats + 1)]
+
+
+def median_of(summaries, key: str):
+  """The median of `key` over the runs' summaries that have it (None where none has)."""
+  values = [summary[key] for summary, _ in summaries if summary.get(key) is not None]
+  return statistics.median(values) if values else None
 
 
 def run_configs(names, bindings, task_files=()) -> dict:
@@ -167,6 +187,10 @@ def main(argv=None) -> int:
   parser.add_argument("--ceiling_from", default=None,
                       help="a concurrency_ceiling result (JSON) to use instead of the one "
                            "measured with the runs")
+  parser.add_argument("--repeats", type=int, default=1,
+                      help="rounds of every mode, interleaved (mode by mode in each round); "
+                           "each measured figure is the median over the rounds and the profile "
+                           "is fitted on the sync round of median samples/s")
   parser.add_argument("--work_dir", default=os.path.join("runs", "sim_calibration"))
   parser.add_argument("--reuse", action="store_true", help="use the run directories there")
   parser.add_argument("--contention", type=float, default=None,
@@ -184,6 +208,8 @@ def main(argv=None) -> int:
   parser.add_argument("--gin_bindings", action="append", default=[])
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
+  if args.repeats < 1:
+    parser.error(f"--repeats must be >= 1, got {args.repeats}")
   for path in args.task_file:
     if not os.path.isfile(path):
       parser.error(f"--task_file {path!r}: no such file")
@@ -215,9 +241,13 @@ def main(argv=None) -> int:
         modes_benchmark.run_mode(mode, [*bindings, f"RunConfig.total_samples = "
                                         f"{args.warmup_samples}"], warm, args.backend,
                                  args.task_file)
-      print(f"running {mode} ...", file=sys.stderr, flush=True)
-      modes_benchmark.run_mode(mode, bindings, os.path.join(args.work_dir, mode), args.backend,
-                               args.task_file)
+    for round_ in range(args.repeats):
+      for mode in modes:
+        print(f"running {mode} (round {round_ + 1} of {args.repeats}) ...", file=sys.stderr,
+              flush=True)
+        modes_benchmark.run_mode(mode, bindings,
+                                 run_dirs(args.work_dir, mode, args.repeats)[round_],
+                                 args.backend, args.task_file)
     load_after = os.getloadavg()[0]
     if args.ceiling_batches:
       print("concurrency ceiling (each role alone, both together) ...", file=sys.stderr,
@@ -236,14 +266,20 @@ def main(argv=None) -> int:
   if os.path.isfile(load_path):
     with open(load_path, encoding="utf-8") as f:
       runs_load = json.load(f)
-  measured_idle, measured_handoff = {}, {}
+  measured_idle, measured_handoff, rounds, sync_dir = {}, {}, {}, None
   for mode in modes:
-    with open(os.path.join(args.work_dir, mode, "summary.json"), encoding="utf-8") as f:
-      run_summary = json.load(f)
-    measured[mode] = run_summary["system/samples_per_s"]
-    measured_idle[mode] = {role: run_summary.get(f"{role}/idle_ratio")
+    summaries = []
+    for run_dir in run_dirs(args.work_dir, mode, args.repeats):
+      with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
+        summaries.append((json.load(f), run_dir))
+    rounds[mode] = [summary["system/samples_per_s"] for summary, _ in summaries]
+    measured[mode] = statistics.median(rounds[mode])
+    measured_idle[mode] = {role: median_of(summaries, f"{role}/idle_ratio")
                            for role in ("rollout", "learner")}
-    measured_handoff[mode] = run_summary.get("handoff/publish_to_enqueue_s_p50")
+    measured_handoff[mode] = median_of(summaries, "handoff/publish_to_enqueue_s_p50")
+    if mode == "sync":  # the profile's run: the round of median samples/s
+      sync_dir = sorted(summaries, key=lambda s: s[0]["system/samples_per_s"])[
+          (len(summaries) - 1) // 2][1]
   ceiling_path = args.ceiling_from or os.path.join(args.work_dir, CEILING_FILE)
   if args.ceiling_from:
     with open(args.ceiling_from, encoding="utf-8") as f:
@@ -260,7 +296,7 @@ def main(argv=None) -> int:
   if fixed_fraction is None:
     fixed_fraction = ceiling.get("roles", {}).get("learner_fixed_fraction")
     fixed_source = f"{ceiling_source}: roles" if fixed_fraction is not None else "not measured"
-  profile = fit.profile_from_run(os.path.join(args.work_dir, "sync"), seed=args.seed,
+  profile = fit.profile_from_run(sync_dir, seed=args.seed,
                                  learner_fixed_fraction=fixed_fraction)
   handoff_path = os.path.join(args.work_dir, f"warmup-{args.handoff_mode}", "metrics.jsonl")
   handoff_records = read_jsonl(handoff_path) if os.path.isfile(handoff_path) else None
@@ -269,9 +305,11 @@ def main(argv=None) -> int:
     with open(os.path.join(os.path.dirname(handoff_path), "summary.json"),
               encoding="utf-8") as f:
       handoff_wall_s = json.load(f)["system/wall_s"]
-  handoff_config = run_configs([args.handoff_mode], [
-      *bindings, f"RunConfig.total_samples = {args.warmup_samples}"],
-      args.task_file)[args.handoff_mode]
+  handoff_config = None  # the warm-up run's config (none without a warm-up run)
+  if handoff_records is not None:
+    handoff_config = run_configs([args.handoff_mode], [
+        *bindings, f"RunConfig.total_samples = {args.warmup_samples}"],
+        args.task_file)[args.handoff_mode]
   async_profile, factors = async_profile_for(profile, args.backend, ceiling, handoff_records,
                                              handoff_config, args.seed, args.contention,
                                              handoff_wall_s)
@@ -285,6 +323,7 @@ def main(argv=None) -> int:
     predicted = summary["system/samples_per_s"]
     name = mode.removeprefix("recipes/")
     table[name] = {"measured_samples_per_s": measured[mode],
+                   "measured_rounds": rounds[mode],
                    "predicted_samples_per_s": predicted,
                    "error": predicted / measured[mode] - 1,
                    "within_15_percent": abs(predicted / measured[mode] - 1) <= 0.15,
@@ -300,7 +339,8 @@ def main(argv=None) -> int:
                    "predicted_stale_ratio": summary["algo/stale_ratio"],
                    "predicted_version_gap_max": summary["algo/version_gap_max"]}
   line = {"benchmark": "sim_calibration", "backend": args.backend, "task_files": args.task_file,
-          "total_samples": args.total_samples,
+          "total_samples": args.total_samples, "repeats": args.repeats,
+          "profile_run": os.path.basename(sync_dir),
           "warmup_samples": args.warmup_samples, "seed": args.seed,
           "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
           "runs_load_average": runs_load, "ceiling_source": ceiling_source,

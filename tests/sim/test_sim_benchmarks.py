@@ -60,6 +60,39 @@ def test_sim_calibration_on_run_directories(tmp_path, capsys):
   assert table["async_stale"]["measured_samples_per_s"] > 0
 
 
+def test_sim_calibration_takes_the_median_of_its_rounds(tmp_path, capsys):
+  """--repeats 3: each mode's figure is the median of its rounds' directories, and the profile
+  is fitted on the sync round of median samples/s (here the rounds differ in their speed)."""
+  profile = profile_from_dict(PROFILE)
+  speeds = {}
+  for mode, extra in (("sync", {}), ("async_stale", {"staleness_threshold": 0.5})):
+    for k, scale in ((1, 1.0), (2, 2.0), (3, 0.8)):  # round 2 twice as slow, round 3 faster
+      slower = dataclasses.replace(profile, rollout=dataclasses.replace(
+          profile.rollout, decode_curve=tuple((slots, seconds * scale)
+                                              for slots, seconds in profile.rollout.decode_curve)))
+      run = simulate(slower, RunConfig(mode=mode, **GEOMETRY, **extra))
+      run.write(tmp_path / f"{mode}-r{k}")
+      speeds[(mode, k)] = run.summary["system/samples_per_s"]
+      (tmp_path / f"{mode}-r{k}" / "config.gin").write_text(
+          "x.config.RunConfig.group_size = 4\nx.config.RunConfig.max_concurrent_decodes = 32\n")
+  assert sim_calibration.main(["--reuse", "--work_dir", str(tmp_path), "--modes",
+                               "sync,async_stale", "--total_samples", "3200", "--repeats", "3",
+                               "--gin_bindings", "RunConfig.group_size = 4",
+                               "--gin_bindings", "RunConfig.max_concurrent_decodes = 32",
+                               "--contention", "0", "--learner_fixed_fraction", "0.2",
+                               "--recipes", "", "--backend", "threads",
+                               "--warmup_samples", "0"]) == 0
+  line = _last_line(capsys)
+  assert line["repeats"] == 3 and line["profile_run"] == "sync-r1"  # 1.0x: the median round
+  for mode in ("sync", "async_stale"):
+    rounds = [speeds[(mode, k)] for k in (1, 2, 3)]
+    assert line["modes"][mode]["measured_rounds"] == rounds
+    assert line["modes"][mode]["measured_samples_per_s"] == sorted(rounds)[1]
+  assert abs(line["modes"]["sync"]["error"]) < 0.05  # fitted on the median round itself
+  with pytest.raises(SystemExit):
+    sim_calibration.main(["--reuse", "--work_dir", str(tmp_path), "--repeats", "0"])
+
+
 def test_beside_counts_only_the_batches_inside_the_overlap():
   """The learner ran 0..2 s, the rollout 0.5..4 s: only batches wholly inside 0.5..2 count."""
   times = {"learner": (0.0, 2.0, [0.5, 1.0, 1.5, 2.0]),
