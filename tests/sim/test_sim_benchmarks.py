@@ -31,6 +31,17 @@ def test_sim_speed_reports_its_timing(capsys):
   assert line["num_versions"] == 3 and line["simulate_s"] > 0 and line["samples"] > 0
 
 
+def calibrate_on(work_dir, *extra: str) -> int:
+  """`sim_calibration.main --reuse` on sync and async_stale directories in `work_dir`, the
+  geometry of the tests' profile, no contention, a given learner fixed fraction."""
+  return sim_calibration.main(["--reuse", "--work_dir", str(work_dir), "--modes",
+                               "sync,async_stale", "--total_samples", "3200",
+                               "--gin_bindings", "RunConfig.group_size = 4",
+                               "--gin_bindings", "RunConfig.max_concurrent_decodes = 32",
+                               "--contention", "0", "--learner_fixed_fraction", "0.2",
+                               "--recipes", "", "--backend", "threads", *extra])
+
+
 def test_sim_calibration_on_run_directories(tmp_path, capsys):
   """--reuse: run directories shaped as real runs write them (here made by the simulator)."""
   profile = profile_from_dict(PROFILE)
@@ -42,13 +53,7 @@ def test_sim_calibration_on_run_directories(tmp_path, capsys):
       tmp_path / "warmup-on_policy")
   (tmp_path / "sync" / "config.gin").write_text("x.config.RunConfig.group_size = 4\n"
                                                 "x.config.RunConfig.max_concurrent_decodes = 32\n")
-  assert sim_calibration.main(["--reuse", "--work_dir", str(tmp_path), "--modes",
-                               "sync,async_stale", "--total_samples", "3200",
-                               "--gin_bindings", "RunConfig.group_size = 4",
-                               "--gin_bindings", "RunConfig.max_concurrent_decodes = 32",
-                               "--contention", "0", "--learner_fixed_fraction", "0.2",
-                               "--recipes", "", "--backend", "threads",
-                               "--warmup_samples", "1280"]) == 0
+  assert calibrate_on(tmp_path, "--warmup_samples", "1280") == 0
   line = _last_line(capsys)
   assert line["once_measured"]["handoff_s"] == pytest.approx(0.01, abs=0.003)
   assert line["async_profile"]["handoff_s"] == line["once_measured"]["handoff_s"]
@@ -75,13 +80,7 @@ def test_sim_calibration_takes_the_median_of_its_rounds(tmp_path, capsys):
       speeds[(mode, k)] = run.summary["system/samples_per_s"]
       (tmp_path / f"{mode}-r{k}" / "config.gin").write_text(
           "x.config.RunConfig.group_size = 4\nx.config.RunConfig.max_concurrent_decodes = 32\n")
-  assert sim_calibration.main(["--reuse", "--work_dir", str(tmp_path), "--modes",
-                               "sync,async_stale", "--total_samples", "3200", "--repeats", "3",
-                               "--gin_bindings", "RunConfig.group_size = 4",
-                               "--gin_bindings", "RunConfig.max_concurrent_decodes = 32",
-                               "--contention", "0", "--learner_fixed_fraction", "0.2",
-                               "--recipes", "", "--backend", "threads",
-                               "--warmup_samples", "0"]) == 0
+  assert calibrate_on(tmp_path, "--warmup_samples", "0", "--repeats", "3") == 0
   line = _last_line(capsys)
   assert line["repeats"] == 3 and line["profile_run"] == "sync-r1"  # 1.0x: the median round
   for mode in ("sync", "async_stale"):
