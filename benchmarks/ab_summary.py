@@ -22,6 +22,12 @@ KEYS = ("samples_per_s", "wall_s", "final_accuracy", "learner_idle_ratio", "roll
         "consumed_over_generated_mean")
 
 
+def median(values):
+  """The median of the values that are not None (None if all are: e.g. sync's hand-off)."""
+  values = [v for v in values if v is not None]
+  return statistics.median(values) if values else None
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("outdir")
@@ -51,8 +57,7 @@ def main() -> None:
   for side, runs in by_side.items():
     if runs:
       lines.append({"side": side, "median_of_rounds": len(runs),
-                    **{key: statistics.median(r[key] for r in runs if r[key] is not None)
-                       for key in KEYS}})
+                    **{key: median([r[key] for r in runs]) for key in KEYS}})
   text = "".join(json.dumps(line) + "\n" for line in lines)
   print(text, end="")
   if args.out:

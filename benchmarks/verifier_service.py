@@ -5,7 +5,7 @@
 Starts the RLVR task's verifier service (`VerifierProcess`, the task's settings: concurrency 6,
 time_scale 0.0002, so a median request sleeps 60 us), then `--callers` threads in this process
 each send `--requests_per_caller` verify requests in turn over their own connection. Reported
-per pass: requests/s, the service process's CPU (user + system, from /proc) per request and this
+per pass: requests/s, the service process's CPU (user + system) per request and this
 process's CPU per request (the callers: encode, send, receive, decode), in microseconds; and the
 median over the passes. In a run on two cores the service's and the callers' CPU comes out of
 the cores the rollout and the learner share, so it is part of every RLVR figure.
@@ -18,22 +18,23 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import threading
 import time
 
+import psutil
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.workload_bound import processes_cpu_s
 from jaxrl_async.tasks.verifier_service import VerifierProcess, VerifierSettings
 
 RLVR_SETTINGS = VerifierSettings(concurrency=6, time_scale=0.0002, call_timeout_s=8.0)
 
 
-def process_cpu_s(pid: int) -> float:
-  with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-    fields = f.read().rsplit(")", 1)[1].split()
-  return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def one_pass(process: VerifierProcess, callers: int, per_caller: int, first_id: int) -> dict:
   client = process.client()
+  service = [psutil.Process(process.process.pid)]
   prompt, response = [5, 6, 7, 8, 9, 10, 11], [11, 10, 9, 8, 7, 6, 5, 2]
 
   def call(k: int) -> None:
@@ -42,7 +43,7 @@ def one_pass(process: VerifierProcess, callers: int, per_caller: int, first_id: 
         raise AssertionError(f"request {i}: a right answer was scored wrong")
 
   threads = [threading.Thread(target=call, args=(k,)) for k in range(callers)]
-  service_began, callers_began = process_cpu_s(process.process.pid), time.process_time()
+  service_began, callers_began = processes_cpu_s(service), time.process_time()
   began = time.perf_counter()
   for thread in threads:
     thread.start()
@@ -51,7 +52,7 @@ def one_pass(process: VerifierProcess, callers: int, per_caller: int, first_id: 
   wall_s = time.perf_counter() - began
   requests = callers * per_caller
   return {"requests": requests, "requests_per_s": round(requests / wall_s),
-          "service_cpu_us": round((process_cpu_s(process.process.pid) - service_began)
+          "service_cpu_us": round((processes_cpu_s(service) - service_began)
                                   / requests * 1e6, 1),
           "callers_cpu_us": round((time.process_time() - callers_began) / requests * 1e6, 1)}
 

@@ -196,7 +196,7 @@ def staleness_and_gaps(groups, learner_version: int) -> tuple[dict[str, float], 
       "algo/version_gap_max": float(gaps.max()) if gaps.size else 0.0,
       "algo/stale_ratio": float(np.mean(gaps >= 1)) if gaps.size else 0.0,
       "algo/partial_ratio": int(np.count_nonzero(spans)) / max(len(token_versions), 1),
-      "algo/max_partial_span": float(max(int(spans.max()), 0) if spans.size else 0),
+      "algo/max_partial_span": float(spans.max()) if spans.size else 0.0,
       # Consumed tokens per version gap (index = gap): the version-gap histogram.
       "algo/version_gap_counts": [int(c) for c in counts],
   }, gaps

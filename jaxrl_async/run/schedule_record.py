@@ -100,12 +100,7 @@ def _keys(seed: int, group_ids: np.ndarray, members: np.ndarray, group_size: int
 
 def version_segments(token_versions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """Run-length encoding of per-token versions: (versions int32 [K], lengths int32 [K])."""
-  token_versions = np.asarray(token_versions, np.int32)
-  if not len(token_versions):
-    return np.zeros((0,), np.int32), np.zeros((0,), np.int32)
-  starts = np.flatnonzero(np.diff(token_versions, prepend=token_versions[0] - 1))
-  lengths = np.diff(np.append(starts, len(token_versions)))
-  return token_versions[starts].astype(np.int32), lengths.astype(np.int32)
+  return version_segments_many([token_versions])[1:]
 
 
 def version_segments_many(token_versions) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -102,13 +102,19 @@ class VerifierServer:
           raise ValueError(f"request id must be >= 0, got {request_id}")
         delay = latency_s(self.settings, request_id)
       except Exception as error:  # a malformed request is answered, never fatal to the service
-        self._finish(request, reply, arrived, started, started_at, error)
+        self._conclude(request, reply, arrived, started, started_at, error)
         continue
-      self._loop.call_later(delay, self._finish, request, reply, arrived, started, started_at,
-                            None)
+      self._loop.call_later(delay, self._finish, request, reply, arrived, started, started_at)
 
-  def _finish(self, request, reply: Reply, arrived: float, started: float, started_at: float,
+  def _finish(self, request, reply: Reply, arrived: float, started: float,
+              started_at: float) -> None:
+    """A request's latency has passed: its answer, then its slot to the next waiting one."""
+    self._conclude(request, reply, arrived, started, started_at, None)
+    self._start_waiting()
+
+  def _conclude(self, request, reply: Reply, arrived: float, started: float, started_at: float,
               error: Exception | None) -> None:
+    """Checks the answer (unless `error` already says why not), frees the slot, counts, replies."""
     counts = self._counts
     if error is None:
       try:
@@ -126,7 +132,6 @@ class VerifierServer:
     counts["service_s"] += service_s
     reply({**answer, "queue_s": queue_s, "service_s": service_s, "started_at": started_at,
            "finished_at": time.time()})
-    self._start_waiting()
 
 
 class _Connection(asyncio.Protocol):
