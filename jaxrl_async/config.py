@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 from jaxrl_async.buffer.admission import admission_budget
+from jaxrl_async.buffer.errors import check_version_gap_policy
 from jaxrl_async.buffer.groups import drop_uniform_reward
 from jaxrl_async.buffer.staleness_control import CONTROLLERS
 from jaxrl_async.config_types import check_field_types
@@ -49,6 +50,9 @@ class RunConfig:
   # -- freshness --
   staleness_threshold: float = 0.0
   max_version_gap: int | None = None
+  # 'drop': groups older than max_version_gap are dropped as stale; 'wait': a take first waits
+  # for the groups about to pass the bound (no bias against long responses; docs/knobs.md).
+  version_gap_policy: str = "drop"
   partial_rollout: bool = False
   partial_strategy: str = "reprefill"
   # -- adaptive staleness (buffer/staleness_control.py): 'fixed' keeps s; 'adaptive' moves it
@@ -188,6 +192,7 @@ class RunConfig:
           f"staleness_threshold must be >= 0 (0 = on-policy), got {self.staleness_threshold}")
     if self.max_version_gap is not None and self.max_version_gap < 0:
       raise ValueError(f"max_version_gap must be >= 0 or None, got {self.max_version_gap}")
+    check_version_gap_policy(self.version_gap_policy, self.max_version_gap)
     if not self.reward_timeout_s > 0:
       raise ValueError(f"reward_timeout_s must be > 0, got {self.reward_timeout_s}")
     if self.reward_retries < 0:

@@ -211,3 +211,15 @@ class LengthStats:
     for kind in self.KINDS:
       setattr(self, kind, collections.Counter(
           {int(k): int(v) for k, v in ((state or {}).get(kind) or {}).items()}))
+
+
+def stamp_consumed(groups, now: float) -> list[float]:
+  """Stamps every sample of the taken `groups` 'consumed' at `now`; returns each one's time
+  from 'enqueued' to 'consumed'."""
+  latencies = []
+  for group in groups:
+    for sample in group.samples:
+      stamps = sample.timestamps
+      stamps["consumed"] = now
+      latencies.append(now - stamps["enqueued"])
+  return latencies

@@ -11,13 +11,14 @@ Layout (format 1):
                  the groups, members in index order
   ready          [{admitted, samples: [...]}, ...] in queue (FIFO) order
 
-Both functions run with the buffer's lock held.
+These functions run with the buffer's lock held.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from jaxrl_async.buffer import accounting
 from jaxrl_async.buffer.groups import (
   PartialGroup,
   ReadyGroup,
@@ -83,9 +84,22 @@ def restore(buffer: VersionedBuffer, state: dict[str, Any]) -> None:
                             min(min_versions) if min_versions else None))
   buffer._rollout_version = int(state["rollout_version"])
   buffer._ledger.load_state(state["ledger"])
-  buffer._ledger.void_in_flight()
+  buffer._ledger.void_in_flight()  # (a fresh buffer's AgeBoundWait holds no admissions either)
   buffer._acc.load_state(state["accounting"])
   buffer._latency.load_state(state["latency"])
   buffer._lengths.load_state(state.get("lengths"))
   buffer._partial = partial
   buffer._ready = ready
+
+
+def discard_queued(buffer: VersionedBuffer, reason: str) -> int:
+  """Drops every queued sample (partial and ready groups) under `reason`; returns how many."""
+  accounting.check_drop_reason(reason)
+  discarded = buffer._acc.queued
+  for group in list(buffer._partial.values()):
+    buffer._drop_locked(group.members(), group.admitted, reason)
+  for group in buffer._ready:
+    buffer._drop_locked(group.samples, group.admitted, reason)
+  buffer._partial.clear()
+  buffer._ready.clear()
+  return discarded

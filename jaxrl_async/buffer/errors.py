@@ -36,6 +36,19 @@ def check_timeout(call: str, timeout: float) -> float:
   return time.monotonic() + timeout
 
 
+VERSION_GAP_POLICIES = ("drop", "wait")
+
+
+def check_version_gap_policy(policy: str, max_version_gap: int | None) -> None:
+  """'drop' (groups older than the bound are dropped as stale) or 'wait' (the learner first
+  waits for the groups about to pass the bound; needs a bound)."""
+  if policy not in VERSION_GAP_POLICIES:
+    raise ValueError(f"version_gap_policy={policy!r} must be one of {VERSION_GAP_POLICIES}")
+  if policy == "wait" and max_version_gap is None:
+    raise ValueError("version_gap_policy='wait' needs max_version_gap (an int >= 0): without a "
+                     "bound there is nothing to wait for")
+
+
 def check_buffer_config(group_size: int, groups_per_version: int, staleness_threshold: float,
                         max_version_gap: int | None, capacity: int) -> int:
   """Validates the VersionedBuffer's knobs; returns the admission budget floor((1 + s) * N)."""

@@ -16,6 +16,7 @@ reward failure outranks a policy choice (truncation).
 
 from __future__ import annotations
 
+import bisect
 import math
 import numbers
 from collections.abc import Callable, Sequence
@@ -132,6 +133,74 @@ def decode_sample(data: dict[str, Any]) -> Sample:
   data = dict(data)
   data["reward"] = float(data["reward"])
   return Sample.from_dict(data)
+
+
+def take_oldest(ready: list, num_groups: int) -> tuple[list, list]:
+  """(taken, kept): the `num_groups` ready groups with the oldest tokens (arrival order among
+  equals; a group without tokens counts as newest), and the rest in their order. A group that
+  waited for its longest member arrives behind newer ones; taking it first keeps it within the
+  age bound instead of dropping it later as stale (the long responses would be the ones lost)."""
+  if num_groups >= len(ready):
+    return list(ready), []
+  newest = math.inf
+  order = sorted(range(len(ready)), key=lambda i: (
+      newest if ready[i].min_version is None else ready[i].min_version))
+  chosen = set(order[:num_groups])
+  return [ready[i] for i in order[:num_groups]], [
+      group for i, group in enumerate(ready) if i not in chosen]
+
+
+class AgeBoundWait:
+  """version_gap_policy 'wait': when a take must wait for a group not yet whole.
+
+  A group whose oldest token has version m may be consumed up to learner version
+  m + max_version_gap. The take that closes learner version L (the one that brings the groups
+  taken at L to `groups_per_version`) waits while a group that is not yet whole may hold a
+  token of version <= L - max_version_gap: after it that group could only be dropped as stale.
+  Earlier takes of the version do not wait (the group may be whole by the last one), and the
+  oldest groups are taken first (`take_oldest`).
+
+  Two kinds of group are not yet whole: partly arrived ones (their oldest arrived token is
+  known; a member still out is assumed no older, as a group's members start together) and
+  admitted ones with no member arrived yet, whose tokens are no older than the rollout version
+  they were admitted at. Those admission versions are kept; a group's first arrival retires
+  the newest one not newer than its oldest token (the admission it most likely came from).
+  The drop at take stays the hard bound, for what these estimates miss.
+  """
+
+  __slots__ = ("groups_per_version", "in_flight", "max_version_gap", "taken", "version")
+
+  def __init__(self, max_version_gap: int, groups_per_version: int):
+    self.max_version_gap = max_version_gap
+    self.groups_per_version = groups_per_version
+    self.version, self.taken = -1, 0  # groups taken at learner version `version`
+    self.in_flight: list[int] = []  # admission versions of groups with nothing arrived, sorted
+
+  def admitted(self, rollout_version: int) -> None:
+    self.in_flight.append(rollout_version)  # versions only grow: stays sorted
+
+  def started(self, min_version: int | None) -> None:
+    if not self.in_flight:
+      return
+    index = len(self.in_flight) - 1
+    if min_version is not None:
+      index = max(0, bisect.bisect_right(self.in_flight, min_version) - 1)
+    del self.in_flight[index]
+
+  def holds(self, partial_groups, learner_version: int, num_groups: int) -> bool:
+    taken = self.taken if learner_version == self.version else 0
+    if taken + num_groups < self.groups_per_version:
+      return False
+    edge = learner_version - self.max_version_gap
+    if self.in_flight and self.in_flight[0] <= edge:
+      return True
+    return any(group.min_version is not None and group.min_version <= edge
+               for group in partial_groups)
+
+  def took(self, learner_version: int, num_groups: int) -> None:
+    if learner_version != self.version:
+      self.version, self.taken = learner_version, 0
+    self.taken += num_groups
 
 
 def split_stale(ready: list, learner_version: int, max_version_gap: int) -> tuple[list, list]:

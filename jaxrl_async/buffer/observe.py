@@ -30,6 +30,15 @@ def queue_metrics(buffer: VersionedBuffer) -> dict[str, float]:
   return metrics
 
 
+def counts(buffer: VersionedBuffer) -> dict:
+  """The sample accounting's counts and the ledger's group counts."""
+  found = buffer._acc.counts()
+  found["outstanding_groups"] = buffer._ledger.outstanding
+  found["in_flight_groups"] = buffer._ledger.in_flight
+  found["admitted_groups"] = buffer._ledger.total_admitted
+  return found
+
+
 def with_distributions(metrics: dict[str, float], latency, lengths) -> dict[str, float]:
   """`metrics` with the latency and response-length figures of the buffer's snapshots
   (computed outside its lock)."""
@@ -60,4 +69,6 @@ def describe(buffer: VersionedBuffer) -> str:
   return (f"rollout_version={buffer._rollout_version}, window used {ledger.used}/"
           f"{ledger.budget} groups, outstanding_groups={ledger.outstanding} (in flight "
           f"{ledger.in_flight}, partial {len(buffer._partial)}, ready {len(buffer._ready)}), "
-          f"queued {buffer._acc.queued}/{buffer._capacity} samples")
+          f"queued {buffer._acc.queued}/{buffer._capacity} samples"
+          + (" (version_gap_policy 'wait': a version's last take also waits for the groups "
+             "that would pass the version-gap bound)" if buffer._age_wait else ""))

@@ -6,9 +6,8 @@ Producer (Rollouter):  slot_version = acquire_group_slot(timeout)   # admission,
 Consumer (Learner):    get_groups(num_groups, learner_version, timeout) -> whole groups
 
 Semantics: docs/architecture.md ("Admission", "Age bound, group assembly and drops", "The
-buffer's mechanics"); admission.py keeps the admission ledger, groups.py the drop reasons.
-Thread-safe: one lock, three conditions, waits with timeouts, short critical sections;
-`group_filter` runs under the lock (cheap, and never calls the buffer).
+buffer's mechanics"); admission.py keeps the ledger, groups.py the drop reasons. Thread-safe:
+one lock, three conditions, timed waits; `group_filter` runs under the lock (never calls it).
 """
 
 from __future__ import annotations
@@ -27,11 +26,13 @@ from jaxrl_async.buffer.errors import (
   BufferTimeout,
   check_buffer_config,
   check_timeout,
+  check_version_gap_policy,
   is_int,
 )
 from jaxrl_async.buffer.groups import (
   GROUP_DROP_PRIORITY,
   NO_DROP,
+  AgeBoundWait,
   GroupFilter,
   PartialGroup,
   ReadyGroup,
@@ -39,6 +40,7 @@ from jaxrl_async.buffer.groups import (
   sample_drop_rank,
   sample_min_version,
   split_stale,
+  take_oldest,
 )
 from jaxrl_async.types import Sample
 
@@ -53,9 +55,13 @@ class VersionedBuffer(staleness_budget.StalenessBudget):
   def __init__(self, *, group_size: int, groups_per_version: int, staleness_threshold: float,
                max_version_gap: int | None, capacity: int,
                group_filter: GroupFilter | None = None, drop_truncated: bool = False,
-               clock: Callable[[], float] = time.time, record_drops: bool = False):
+               clock: Callable[[], float] = time.time, record_drops: bool = False,
+               version_gap_policy: str = "drop"):
     budget = check_buffer_config(group_size, groups_per_version, staleness_threshold,
                                  max_version_gap, capacity)
+    check_version_gap_policy(version_gap_policy, max_version_gap)
+    self._age_wait = AgeBoundWait(max_version_gap, groups_per_version) if (
+        version_gap_policy == "wait") else None  # not in `config`: no state depends on it
     group_size, capacity = int(group_size), int(capacity)
     max_version_gap = None if max_version_gap is None else int(max_version_gap)
     self.config = {"group_size": group_size, "groups_per_version": int(groups_per_version),
@@ -104,6 +110,8 @@ class VersionedBuffer(staleness_budget.StalenessBudget):
       if self._closed:
         raise BufferClosed("acquire_group_slot: the buffer is closed")
       self._ledger.admit()
+      if self._age_wait:
+        self._age_wait.admitted(self._rollout_version)
       return self._rollout_version
 
   def put(self, sample: Sample, timeout: float) -> None:
@@ -157,6 +165,8 @@ class VersionedBuffer(staleness_budget.StalenessBudget):
             admitted = self._ledger.start_group()
             if not admitted:
               acc.unadmitted_groups += 1
+            elif self._age_wait:
+              self._age_wait.started(min_version)
             group = PartialGroup(group_id, group_size, admitted)
             if members is None:
               partial[group_id] = group
@@ -204,7 +214,7 @@ class VersionedBuffer(staleness_budget.StalenessBudget):
   # ---- consumer side ------------------------------------------------------------------------
   def get_groups(self, num_groups: int, learner_version: int,
                  timeout: float) -> list[list[Sample]]:
-    """Returns `num_groups` whole groups, oldest first; blocks until that many are ready.
+    """Returns `num_groups` whole groups, oldest tokens first (`take_oldest`); blocks until ready.
 
     Groups too old for `learner_version` are dropped as `stale` meanwhile. On timeout nothing
     is taken from the queue. Returned samples are stamped 'consumed'.
@@ -224,7 +234,8 @@ class VersionedBuffer(staleness_budget.StalenessBudget):
           if self._closed:
             raise BufferClosed("get_groups: the buffer is closed")
           self._drop_stale_locked(learner_version)
-          if len(self._ready) >= num_groups:
+          if len(self._ready) >= num_groups and not (self._age_wait and self._age_wait.holds(
+              self._partial.values(), learner_version, num_groups)):
             if faulted or not faults.planned("buffer.get_groups"):
               break
             # The fault point is passed by calls that find their groups ready (so a hit
@@ -240,23 +251,17 @@ class VersionedBuffer(staleness_budget.StalenessBudget):
           if remaining <= 0:
             raise BufferTimeout(
                 f"get_groups(num_groups={num_groups}) timed out after {timeout:.3g} s: "
-                f"{self._describe_locked()}")
+                f"{observe.describe(self)}")
           self._ready_cv.wait(remaining)
       finally:
         self._consumers_wanting.remove(num_groups)
-      groups = self._ready[:num_groups]
-      del self._ready[:num_groups]
-      now = self._clock()
-      latencies = []
-      num_samples = 0
+      groups, self._ready = take_oldest(self._ready, num_groups)
+      if self._age_wait:
+        self._age_wait.took(learner_version, num_groups)
+      latencies = accounting.stamp_consumed(groups, self._clock())
       for group in groups:
-        for sample in group.samples:
-          stamps = sample.timestamps
-          stamps["consumed"] = now
-          latencies.append(now - stamps["enqueued"])
-        num_samples += len(group.samples)
         self._ledger.finish_group(group.admitted, dropped=False)
-      self._acc.record_consumed(num_samples, len(groups))
+      self._acc.record_consumed(len(latencies), len(groups))
       self._lengths.add("consumed", [sample for group in groups for sample in group.samples])
       self._latency.extend(latencies)
       if self._waiting["space"]:
@@ -274,16 +279,8 @@ class VersionedBuffer(staleness_budget.StalenessBudget):
 
   def discard_queued(self, reason: str = "shutdown") -> int:
     """Drops every queued sample (partial and ready groups) under `reason`; returns how many."""
-    accounting.check_drop_reason(reason)
     with self._lock:
-      discarded = self._acc.queued
-      for group in list(self._partial.values()):
-        self._drop_locked(group.members(), group.admitted, reason)
-      for group in self._ready:
-        self._drop_locked(group.samples, group.admitted, reason)
-      self._partial.clear()
-      self._ready.clear()
-      return discarded
+      return buffer_state.discard_queued(self, reason)
 
   def take_drop_log(self) -> list[tuple[str, list[tuple[int, int]]]]:
     """The drops since the last call, as (reason, sample uids); needs `record_drops=True`."""
@@ -317,11 +314,7 @@ class VersionedBuffer(staleness_budget.StalenessBudget):
   def counts(self) -> dict[str, Any]:
     """put / consumed / queued / dropped-by-reason samples, and group counts."""
     with self._lock:
-      counts = self._acc.counts()
-      counts["outstanding_groups"] = self._ledger.outstanding
-      counts["in_flight_groups"] = self._ledger.in_flight
-      counts["admitted_groups"] = self._ledger.total_admitted
-      return counts
+      return observe.counts(self)
 
   def metrics(self) -> dict[str, float]:
     """The queue metrics (docs/metrics.md) (latency NaN before the first consumed sample)."""
@@ -372,15 +365,12 @@ class VersionedBuffer(staleness_budget.StalenessBudget):
         return
       remaining = deadline - time.monotonic()
       if remaining <= 0:
-        raise BufferTimeout(f"{call} timed out after {timeout:.3g} s: {self._describe_locked()}")
+        raise BufferTimeout(f"{call} timed out after {timeout:.3g} s: {observe.describe(self)}")
       self._waiting[waiting] += 1
       try:
         condition.wait(remaining)
       finally:
         self._waiting[waiting] -= 1
-
-  def _describe_locked(self) -> str:
-    return observe.describe(self)
 
   def _drop_locked(self, samples: list[Sample], admitted: bool, reason: str) -> None:
     self._acc.record_drop(reason, len(samples), 1)
@@ -391,6 +381,8 @@ class VersionedBuffer(staleness_budget.StalenessBudget):
       self._admission_cv.notify_all()
     if self._waiting["space"]:
       self._space_cv.notify_all()
+    if self._consumers_wanting and self._age_wait:  # it may wait for this group
+      self._ready_cv.notify_all()
 
   def _drop_stale_locked(self, learner_version: int) -> None:
     if self._max_version_gap is None:

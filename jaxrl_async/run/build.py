@@ -360,7 +360,8 @@ def buffer_kwargs(cfg: RunConfig) -> dict:
   return dict(group_size=cfg.group_size, groups_per_version=cfg.groups_per_version,
               staleness_threshold=cfg.staleness_threshold,
               max_version_gap=cfg.max_version_gap, capacity=cfg.capacity,
-              group_filter=cfg.group_filter_fn, drop_truncated=cfg.drop_truncated)
+              group_filter=cfg.group_filter_fn, drop_truncated=cfg.drop_truncated,
+              version_gap_policy=cfg.version_gap_policy)
 
 
 def buffer_for(cfg: RunConfig) -> VersionedBuffer:

@@ -49,7 +49,8 @@ from jaxrl_async.sinks import SPANS_FILE, read_spans
 
 _KNOBS = ("mode", "group_size", "mini_batch_size", "require_batches",
           "trigger_parameter_sync_step", "max_concurrent_decodes", "staleness_threshold",
-          "max_version_gap", "partial_rollout", "total_samples", "reward_workers")
+          "max_version_gap", "version_gap_policy", "partial_rollout", "total_samples",
+          "reward_workers")
 
 
 def read_run_config(run_dir: str) -> dict:

@@ -168,6 +168,7 @@ def simulate(profile: Profile, config: RunConfig, *, num_versions: int | None = 
                            staleness_threshold=config.staleness_threshold,
                            max_version_gap=config.max_version_gap, capacity=capacity,
                            drop_truncated=getattr(config, "drop_truncated", False),
+                           version_gap_policy=getattr(config, "version_gap_policy", "drop"),
                            clock=lambda: clock.now)
   pool = ReplicaPool(clock, profile, rollout_cost, host, rng, on_turn=None, on_finished=None,
                      on_rewarded=None, group_size=config.group_size)
@@ -246,7 +247,7 @@ def summarise(recorder: Recorder, config: RunConfig, profile: Profile, counts: d
   gaps = np.arange(hist.size)
   summary = {k: v for k, v in last.items() if k.startswith(("system/", "rollout/", "reward/",
                                                              "learner/", "sync/", "queue/",
-                                                             "sim/"))}
+                                                             "lengths/", "sim/"))}
   if profile.shutdown_s:  # the run ends after its servers stop, as a real summary counts it
     wall = last["system/wall_s"] + profile.shutdown_s
     summary.update({"system/wall_s": wall, "system/samples_per_s": last["samples"] / wall,

@@ -56,7 +56,8 @@ def sweep(profile: Profile, base: RunConfig, *, total_samples: int, max_gap: int
     raise ValueError(f"budget max_gap={max_gap} must be >= 0 and max_stale_ratio="
                      f"{max_stale_ratio} in [0, 1]")
   sync_config = dataclasses.replace(base, mode="sync", staleness_threshold=0.0,
-                                    partial_rollout=False, max_version_gap=None)
+                                    partial_rollout=False, max_version_gap=None,
+                                    version_gap_policy="drop")
   sync = simulate(profile, sync_config, num_versions=_versions(sync_config, total_samples),
                   seed=seed).summary
   sync_rate = sync["system/samples_per_s"]
@@ -64,7 +65,8 @@ def sweep(profile: Profile, base: RunConfig, *, total_samples: int, max_gap: int
   for knobs in settings(staleness, triggers, require):
     mode = mode_for(knobs["staleness_threshold"], knobs["trigger_parameter_sync_step"],
                     knobs["partial_rollout"])
-    config = dataclasses.replace(base, mode=mode, max_version_gap=None, **knobs)
+    config = dataclasses.replace(base, mode=mode, max_version_gap=None,
+                                 version_gap_policy="drop", **knobs)
     summary = simulate(profile, config, num_versions=_versions(config, total_samples),
                        seed=seed).summary
     entry = {"mode": mode, **knobs, **row(summary, sync_rate)}

@@ -95,6 +95,25 @@ def test_partial_rollout_records_spans_across_versions():
   assert result.summary["algo/version_gap_max"] <= 3
 
 
+def test_waiting_at_the_gap_bound_trains_on_the_long_responses_that_drops_lose():
+  """A long tail under partial rollout with a tight bound: dropping at the bound loses the
+  longest responses (consumed shorter than generated); waiting for them keeps both equal."""
+  long = dict(FIXED, response_length={"kind": "lognormal", "min": 1, "max": 400,
+                                      "median": 8, "sigma": 1.5})
+  found = {}
+  for policy in ("drop", "wait"):
+    config = RunConfig(mode="async_partial", staleness_threshold=0.5, max_version_gap=1,
+                       version_gap_policy=policy, partial_rollout=True, group_size=4,
+                       mini_batch_size=4, max_concurrent_decodes=64, total_samples=3200)
+    summary = simulate(profile_from_dict(long), config, seed=3).summary
+    assert summary["algo/version_gap_max"] <= 1
+    found[policy] = summary
+  assert found["drop"]["queue/dropped/stale"] > 0
+  assert found["drop"]["lengths/consumed_over_generated_mean"] < 0.97
+  assert found["wait"]["queue/dropped/stale"] == 0
+  assert abs(found["wait"]["lengths/consumed_over_generated_mean"] - 1) < 0.02
+
+
 def test_records_use_the_real_run_metric_names():
   record = simulate(profile_from_dict(FIXED), RunConfig(mode="async_stale",
                                                         staleness_threshold=0.5,
@@ -152,6 +171,7 @@ def random_setup(draw):
       require_batches=draw(st.integers(1, 2)),
       trigger_parameter_sync_step=(draw(st.integers(1, 3)) if mode != "on_policy" else 1),
       staleness_threshold=staleness, max_version_gap=gap,
+      version_gap_policy="drop" if gap is None else draw(st.sampled_from(["drop", "wait"])),
       partial_rollout=mode == "async_partial" and staleness > 0,
       partial_strategy=draw(st.sampled_from(["reprefill", "keep_kv"])),
       total_samples=10 ** 6)

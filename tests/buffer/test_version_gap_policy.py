@@ -1,0 +1,161 @@
+"""Which groups a take returns first, and version_gap_policy 'wait' (no drops at the bound)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from jaxrl_async.buffer import BufferTimeout
+from jaxrl_async.config import RunConfig
+
+from .factory import make_buffer, make_group, make_sample, put_group
+
+
+def _admit(buffer, num_groups):
+  for _ in range(num_groups):
+    buffer.acquire_group_slot(1.0)
+
+
+def test_take_returns_the_oldest_tokens_first_then_arrival_order():
+  buffer = make_buffer(group_size=2, groups_per_version=4, staleness_threshold=1.0)
+  buffer.publish_version(3)
+  _admit(buffer, 4)
+  put_group(buffer, make_group(20, 2, version=3))
+  put_group(buffer, make_group(21, 2, version=2))
+  put_group(buffer, make_group(22, 2, version=3))
+  put_group(buffer, make_group(23, 2, version=2))
+  got = buffer.get_groups(3, 3, 1.0)
+  assert [group[0].group_id for group in got] == [21, 23, 20]
+  (rest,) = buffer.get_groups(1, 3, 1.0)
+  assert rest[0].group_id == 22
+
+
+def test_a_group_without_tokens_counts_as_newest():
+  buffer = make_buffer(group_size=1, groups_per_version=2)
+  _admit(buffer, 2)
+  buffer.put(make_sample(30, 0, 1, token_versions=()), 1.0)
+  buffer.put(make_sample(31, 0, 1, token_versions=(0,)), 1.0)
+  (first,) = buffer.get_groups(1, 0, 1.0)
+  assert first[0].group_id == 31
+
+
+def _buffer_with_a_straggler(policy, groups_per_version=2):
+  """Version 2, bound 1: group 40 (tokens of version 1) still lacks a member; two groups of
+  version 2 are ready."""
+  buffer = make_buffer(group_size=2, groups_per_version=groups_per_version,
+                       staleness_threshold=1.0, max_version_gap=1, version_gap_policy=policy)
+  buffer.publish_version(2)
+  _admit(buffer, 3)
+  straggler = make_group(40, 2, version=1)
+  buffer.put(straggler[0], 1.0)
+  put_group(buffer, make_group(41, 2, version=2))
+  put_group(buffer, make_group(42, 2, version=2))
+  return buffer, straggler
+
+
+def test_drop_takes_what_is_ready_and_the_straggler_is_dropped_later():
+  buffer, straggler = _buffer_with_a_straggler("drop")
+  got = buffer.get_groups(2, 2, 1.0)
+  assert [group[0].group_id for group in got] == [41, 42]
+  buffer.put(straggler[1], 1.0)
+  with pytest.raises(BufferTimeout):
+    buffer.get_groups(1, 3, 0.05)
+  assert buffer.counts["dropped_groups"]["stale"] == 1
+
+
+def test_wait_holds_a_take_until_the_straggler_is_whole_and_returns_it_first():
+  buffer, straggler = _buffer_with_a_straggler("wait")
+  with pytest.raises(BufferTimeout, match="version_gap_policy 'wait'"):
+    buffer.get_groups(2, 2, 0.05)
+  timer = threading.Timer(0.1, buffer.put, (straggler[1], 1.0))
+  timer.start()
+  began = time.monotonic()
+  got = buffer.get_groups(2, 2, 5.0)
+  waited = time.monotonic() - began
+  timer.join()
+  assert waited >= 0.05
+  assert [group[0].group_id for group in got] == [40, 41]
+  assert buffer.counts["dropped_groups"]["stale"] == 0
+  buffer.check_invariants()
+
+
+def test_wait_holds_only_the_take_that_closes_the_version():
+  buffer, straggler = _buffer_with_a_straggler("wait", groups_per_version=3)
+  _admit(buffer, 1)
+  (first,) = buffer.get_groups(1, 2, 1.0)  # 1 of the version's 3 groups: no wait
+  assert first[0].group_id == 41
+  put_group(buffer, make_group(43, 2, version=2))
+  with pytest.raises(BufferTimeout):
+    buffer.get_groups(2, 2, 0.05)  # would close version 2 without group 40
+  buffer.put(straggler[1], 1.0)
+  got = buffer.get_groups(2, 2, 1.0)
+  assert [group[0].group_id for group in got] == [40, 42]
+  (last,) = buffer.get_groups(1, 3, 1.0)  # a new version: counted from zero again
+  assert last[0].group_id == 43
+
+
+def test_wait_does_not_hold_for_a_group_still_within_the_next_version():
+  buffer = make_buffer(group_size=2, groups_per_version=1, staleness_threshold=1.0,
+                       max_version_gap=2, version_gap_policy="wait")
+  buffer.publish_version(2)
+  _admit(buffer, 2)
+  # Gap 1 now, 2 at version 3: still consumable after this version's (only) take.
+  buffer.put(make_group(50, 2, version=1)[0], 1.0)
+  put_group(buffer, make_group(51, 2, version=2))
+  (got,) = buffer.get_groups(1, 2, 1.0)
+  assert got[0].group_id == 51
+
+
+def test_wait_is_released_when_the_straggler_is_dropped_for_a_failure():
+  buffer, _ = _buffer_with_a_straggler("wait")
+  failed = make_sample(40, 1, 2, token_versions=(1, 2), reward_status="failed")
+  timer = threading.Timer(0.1, buffer.put, (failed, 1.0))
+  timer.start()
+  got = buffer.get_groups(2, 2, 5.0)
+  timer.join()
+  assert [group[0].group_id for group in got] == [41, 42]
+  assert buffer.counts["dropped_groups"]["reward_failed"] == 1
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(version_gap_policy="wait", max_version_gap=None), "needs max_version_gap"),
+    (dict(version_gap_policy="block", max_version_gap=2), r"one of \('drop', 'wait'\)"),
+])
+def test_bad_policies_are_refused_by_name(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    make_buffer(**kwargs)
+  with pytest.raises(ValueError, match=match):
+    RunConfig(mode="async_partial", staleness_threshold=0.5, partial_rollout=True, **kwargs)
+
+
+def test_wait_holds_for_an_admitted_group_with_nothing_arrived():
+  buffer = make_buffer(group_size=2, groups_per_version=1, staleness_threshold=1.0,
+                       max_version_gap=1, version_gap_policy="wait")
+  buffer.publish_version(1)
+  _admit(buffer, 1)  # group 60 will be generated from version 1 on
+  buffer.publish_version(2)
+  _admit(buffer, 1)
+  put_group(buffer, make_group(61, 2, version=2))  # retires the version-2 admission
+  with pytest.raises(BufferTimeout):
+    buffer.get_groups(1, 2, 0.05)
+  put_group(buffer, make_group(60, 2, version=1))
+  (got,) = buffer.get_groups(1, 2, 1.0)
+  assert got[0].group_id == 60
+  assert buffer.counts["dropped_groups"]["stale"] == 0
+
+
+def test_a_restored_buffer_does_not_wait_for_voided_admissions():
+  buffer = make_buffer(group_size=2, groups_per_version=1, staleness_threshold=1.0,
+                       max_version_gap=1, version_gap_policy="wait")
+  buffer.publish_version(1)
+  _admit(buffer, 1)  # in flight at the save: voided by the restore, its prompt re-issued
+  buffer.publish_version(2)
+  _admit(buffer, 1)
+  put_group(buffer, make_group(71, 2, version=2))
+  restored = make_buffer(group_size=2, groups_per_version=1, staleness_threshold=1.0,
+                         max_version_gap=1, version_gap_policy="wait")
+  restored.set_state(buffer.get_state())
+  (got,) = restored.get_groups(1, 2, 1.0)
+  assert got[0].group_id == 71
