@@ -136,15 +136,16 @@ def decode_sample(data: dict[str, Any]) -> Sample:
 
 
 def take_oldest(ready: list, num_groups: int) -> tuple[list, list]:
-  """(taken, kept): the `num_groups` ready groups with the oldest tokens (arrival order among
-  equals; a group without tokens counts as newest), and the rest in their order. A group that
-  waited for its longest member arrives behind newer ones; taking it first keeps it within the
-  age bound instead of dropping it later as stale (the long responses would be the ones lost)."""
-  if num_groups >= len(ready):
-    return list(ready), []
+  """(taken, kept): the `num_groups` ready groups with the oldest tokens, oldest first (arrival
+  order among equals; a group without tokens counts as newest), and the rest in their order.
+  A group that waited for its longest member arrives behind newer ones; taking it first keeps
+  it within the age bound instead of dropping it later as stale (the long responses would be
+  the ones lost)."""
   newest = math.inf
   order = sorted(range(len(ready)), key=lambda i: (
       newest if ready[i].min_version is None else ready[i].min_version))
+  if num_groups >= len(ready):
+    return [ready[i] for i in order], []
   chosen = set(order[:num_groups])
   return [ready[i] for i in order[:num_groups]], [
       group for i, group in enumerate(ready) if i not in chosen]

@@ -30,6 +30,11 @@ def test_take_returns_the_oldest_tokens_first_then_arrival_order():
   assert [group[0].group_id for group in got] == [21, 23, 20]
   (rest,) = buffer.get_groups(1, 3, 1.0)
   assert rest[0].group_id == 22
+  _admit(buffer, 2)
+  put_group(buffer, make_group(24, 2, version=3))
+  put_group(buffer, make_group(25, 2, version=2))
+  every = buffer.get_groups(2, 3, 1.0)  # all that is ready: still oldest first
+  assert [group[0].group_id for group in every] == [25, 24]
 
 
 def test_a_group_without_tokens_counts_as_newest():
