@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -76,12 +75,9 @@ def test_wait_holds_a_take_until_the_straggler_is_whole_and_returns_it_first():
     buffer.get_groups(2, 2, 0.05)
   timer = threading.Timer(0.1, buffer.put, (straggler[1], 1.0))
   timer.start()
-  began = time.monotonic()
   got = buffer.get_groups(2, 2, 5.0)
-  waited = time.monotonic() - began
   timer.join()
-  assert waited >= 0.05
-  assert [group[0].group_id for group in got] == [40, 41]
+  assert [group[0].group_id for group in got] == [40, 41]  # 40 is whole only after the put
   assert buffer.counts["dropped_groups"]["stale"] == 0
   buffer.check_invariants()
 
