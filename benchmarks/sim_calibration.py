@@ -56,6 +56,7 @@ from jaxrl_async import compilation_cache
 from jaxrl_async import config as config_lib
 from jaxrl_async.metrics import read_jsonl
 from jaxrl_async.sim import calibrate, fit, simulate
+from jaxrl_async.sinks import SPANS_FILE, read_spans
 from launch import train
 
 CEILING_FILE = "concurrency_ceiling.json"
@@ -135,11 +136,12 @@ def run_configs(names, bindings, task_files=()) -> dict:
 
 def async_profile_for(profile, backend: str, ceiling: dict | None, handoff_records: list | None,
                       handoff_config, seed: int, contention: float | None = None,
-                      handoff_wall_s: float = math.nan) -> tuple:
+                      handoff_wall_s: float = math.nan, contention_run=None) -> tuple:
   """The sync run's profile with the three once-measured parameters (sim/calibrate.py): the
   layout and contention from `ceiling` (or one given `contention`, no layout), the buffer's
   cost per sample, and the hand-off latency from `handoff_records` (an async run's records,
-  simulated under `handoff_config`)."""
+  simulated under `handoff_config`). `contention_run` (run directory, config, model): the
+  roles' slowdowns from that async run instead of the ceiling's (`contention_from_run`)."""
   if contention is not None:
     factors = {"contention": contention, "contention_source": "--contention"}
     used = dataclasses.replace(profile, contention=contention)
@@ -152,6 +154,19 @@ def async_profile_for(profile, backend: str, ceiling: dict | None, handoff_recor
     used = dataclasses.replace(profile, contention=factors["contention"])
   per_sample, buffer_source = buffer_cost(backend)
   used = calibrate.with_recompute(dataclasses.replace(used, buffer_s_per_sample=per_sample))
+  if contention_run is not None:
+    run_dir, run_config, model = contention_run
+    measured = calibrate.contention_from_run(
+        used, read_spans(os.path.join(run_dir, SPANS_FILE)),
+        read_jsonl(os.path.join(run_dir, "metrics.jsonl")), run_config, seed, model)
+    factors.update(ceiling_contention=factors.get("contention"),
+                   ceiling_learner_contention=factors.get("learner_contention"),
+                   run_contention=measured, contention=measured["rollout"]["contention"],
+                   learner_contention=measured["learner"]["contention"])
+    if "scale" in measured["learner"]:
+      used = calibrate.scaled_learner(used, measured["learner"]["scale"])
+    used = dataclasses.replace(used, contention=factors["contention"],
+                               learner_contention=factors["learner_contention"])
   handoff = startup = shutdown = 0.0
   if handoff_records is not None:
     simulated = simulate(dataclasses.replace(used, startup_s=0.0), handoff_config,
@@ -202,6 +217,16 @@ def main(argv=None) -> int:
                            "concurrency_ceiling result's roles.learner_fixed_fraction, if any)")
   parser.add_argument("--handoff_mode", default="on_policy",
                       help="the mode whose warm-up run's records give the hand-off latency")
+  parser.add_argument("--contention_mode", default=None,
+                      help="a mode or recipe (one of those run) whose warm-up run gives both "
+                           "roles' contentions (calibrate.role_contention) in place of the "
+                           "ceiling's: how much each role slows beside the other busy one in "
+                           "a real run of this host")
+  parser.add_argument("--contention_model", choices=calibrate.CONTENTION_MODELS, default="contention",
+                      help="with --contention_mode, how the learner's slowdown is read "
+                           "(calibrate.contention_from_run): only beside a busy rollout, or one factor")
+  parser.add_argument("--contention_samples", type=int, default=6400,
+                      help="samples of --contention_mode's warm-up run")
   parser.add_argument("--task_file", action="append", default=[],
                       help="gin files after each mode's (e.g. gin/tasks/rlvr.gin: the RLVR "
                            "workload); the ceiling's role loops stay the default run's")
@@ -217,6 +242,8 @@ def main(argv=None) -> int:
            *(f"recipes/{r}" for r in filter(None, args.recipes.split(",")))]
   if "sync" not in modes:
     raise SystemExit("--modes must include sync (its run is the profile)")
+  if args.contention_mode is not None and args.contention_mode not in modes:
+    parser.error(f"--contention_mode {args.contention_mode!r} is not among the runs {modes}")
   bindings = [f"RunConfig.total_samples = {args.total_samples}", f"RunConfig.seed = {args.seed}",
               "RunConfig.eval_every_versions = 25",
               "RunConfig.checkpoint_every_versions = 1000000", *args.gin_bindings]
@@ -238,9 +265,10 @@ def main(argv=None) -> int:
       if args.warmup_samples:
         print(f"warming up {mode} ...", file=sys.stderr, flush=True)
         warm = os.path.join(args.work_dir, f"warmup-{mode}")
-        modes_benchmark.run_mode(mode, [*bindings, f"RunConfig.total_samples = "
-                                        f"{args.warmup_samples}"], warm, args.backend,
-                                 args.task_file)
+        samples = (args.contention_samples if mode == args.contention_mode
+                   else args.warmup_samples)
+        modes_benchmark.run_mode(mode, [*bindings, f"RunConfig.total_samples = {samples}"],
+                                 warm, args.backend, args.task_file)
     for round_ in range(args.repeats):
       for mode in modes:
         print(f"running {mode} (round {round_ + 1} of {args.repeats}) ...", file=sys.stderr,
@@ -310,9 +338,18 @@ def main(argv=None) -> int:
     handoff_config = run_configs([args.handoff_mode], [
         *bindings, f"RunConfig.total_samples = {args.warmup_samples}"],
         args.task_file)[args.handoff_mode]
+  contention_run = None
+  if args.contention_mode is not None:
+    contention_run = (os.path.join(args.work_dir, f"warmup-{args.contention_mode}"), run_configs(
+        [args.contention_mode], [*bindings, "RunConfig.total_samples = "
+                                 f"{args.contention_samples}"], args.task_file)[
+        args.contention_mode], args.contention_model)
   async_profile, factors = async_profile_for(profile, args.backend, ceiling, handoff_records,
                                              handoff_config, args.seed, args.contention,
-                                             handoff_wall_s)
+                                             handoff_wall_s, contention_run)
+  if args.contention_mode is not None:
+    factors["contention_source"] = (f"warmup-{args.contention_mode} run's spans, "
+                                    f"{args.contention_model} model")
   factors["handoff_source"] = (f"warmup-{args.handoff_mode} run's records"
                                if handoff_records is not None else "no run: 0")
   configs = run_configs(modes, bindings, args.task_file)
@@ -346,7 +383,7 @@ def main(argv=None) -> int:
           "runs_load_average": runs_load, "ceiling_source": ceiling_source,
           "once_measured": factors, "learner_fixed_fraction": fixed_fraction,
           "learner_fixed_fraction_source": fixed_source,
-          "profile": profile.to_dict(), "async_profile": async_profile.to_dict(),
+          "profile": profile.brief_dict(), "async_profile": async_profile.brief_dict(),
           "modes": table}
   return common.emit_result(line, args.out)
 

@@ -172,6 +172,12 @@ def sum_pairs(accumulated: dict, metrics: Mapping) -> dict:
   return accumulated
 
 
+def group_lengths(groups) -> dict[str, list[list[int]]]:
+  """`lengths/groups`: each consumed group's response lengths (the simulator's fit draws whole
+  groups of them: members of one prompt finish together or not)."""
+  return {"lengths/groups": [[int(s.num_response_tokens) for s in g] for g in groups]}
+
+
 def staleness_metrics(groups, learner_version: int) -> dict[str, float]:
   """algo/version_gap_*, stale_ratio, partial_ratio, max_partial_span, version_gap_counts for
   consumed groups."""

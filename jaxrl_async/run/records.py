@@ -11,7 +11,7 @@ import numpy as np
 
 from jaxrl_async.config import RunConfig
 from jaxrl_async.ledger import SampleLedger, audit, audit_metrics, read_events
-from jaxrl_async.metrics import reduce_metrics, staleness_metrics
+from jaxrl_async.metrics import group_lengths, reduce_metrics, staleness_metrics
 from jaxrl_async.rollout.rewards import RewardPool
 
 
@@ -76,6 +76,7 @@ def version_record(config: RunConfig, timer, version: int, state, groups, accumu
       "sync/bytes": int(sum(x.nbytes for x in jax.tree.leaves(state.params))),
       "sync/interval_steps": config.trigger_parameter_sync_step,
       "algo/old_logprob_source": config.learner.old_logprob_source,
+      **group_lengths(groups),
       **staleness_metrics(groups, version - 1),
       **reduce_metrics(accumulated, prefix="algo/"),
   }

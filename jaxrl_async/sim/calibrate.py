@@ -19,6 +19,12 @@ for the machine and the backend, never per mode:
   sample through put + get (`benchmarks/buffer_throughput.py --cross_process`) less the
   in-process buffer's, whose cost the sync run's fitted times already hold.
 
+- the contentions as a real async run shows them (`role_contention`, optional): the ceiling's
+  bare loops leave out what else shares the host in a run (the reward callers and a verifier
+  service), so a discarded async run whose roles overlap gives, from its busy spans, how much
+  slower the learner ran beside a busy rollout than its work, and the rollout beside a busy
+  learner.
+
 - the run's edges (`run_edges`): the async backends start and stop their servers, which a
   sync run in one process does not; from the same async run's records and summary, the time
   before its first version less the simulated one, and its wall time after its last version.
@@ -36,10 +42,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import numpy as np
 
 from jaxrl_async.sim.profile import Profile
+from jaxrl_async.sim.simulator import simulate
 
 HANDOFF_FIELD = "handoff/publish_to_enqueue_s"
 FORWARD_FRACTION = 1.0 / 3.0
@@ -147,6 +155,148 @@ def run_edges(measured: list[dict], measured_wall_s: float,
                      f"the last version record ({versions[-1]['time_s']})")
   startup = max(0.0, versions[0]["time_s"] - simulated[0]["time_s"])
   return startup, measured_wall_s - versions[-1]["time_s"]
+
+
+def _merged(intervals: list[tuple[float, float]]) -> list[list[float]]:
+  out: list[list[float]] = []
+  for start, end in sorted(intervals):
+    if out and start <= out[-1][1]:
+      out[-1][1] = max(out[-1][1], end)
+    else:
+      out.append([start, end])
+  return out
+
+
+def overlap_s(first: list[list[float]], second: list[list[float]]) -> float:
+  """Seconds in both of two lists of sorted, disjoint intervals."""
+  total, j = 0.0, 0
+  for start, end in first:
+    while j < len(second) and second[j][1] <= start:
+      j += 1
+    k = j
+    while k < len(second) and second[k][0] < end:
+      total += min(end, second[k][1]) - max(start, second[k][0])
+      k += 1
+  return total
+
+
+def busy_in_window(spans: list[tuple[str, float, float]], records: list[dict], role: str,
+                   beside: str, skip_versions: int = 2) -> dict:
+  """The role's busy seconds from version `skip_versions`'s record to the last one, the part
+  of them beside the busy `beside` role, and the samples of that window."""
+  versions = [r for r in records if "algo/version_gap_max" in r]
+  if len(versions) < skip_versions + 2:
+    raise ValueError(f"a run's window needs more than {skip_versions + 1} version records, "
+                     f"got {len(versions)}")
+  begin, end = versions[skip_versions]["time_s"], versions[-1]["time_s"]
+
+  def busy(name):
+    return _merged([(max(a, begin), min(b, end)) for r, a, b in spans
+                    if r == name and b > begin and a < end])
+
+  mine = busy(role)
+  return {"busy_s": sum(b - a for a, b in mine), "beside_s": overlap_s(mine, busy(beside)),
+          "samples": versions[-1]["samples"] - versions[skip_versions]["samples"]}
+
+
+def role_contention(spans: list[tuple[str, float, float]], records: list[dict],
+                    work_s_per_sample: float, role: str = "learner", beside: str = "rollout",
+                    skip_versions: int = 2, min_overlap: float = 0.1) -> dict:
+  """A role's contention c as an async run of this host shows it, for a role whose work per
+  sample does not depend on the schedule (the learner's: its updates and tokens). Its busy
+  time splits into seconds beside the busy other role (T_o) and alone (T_n); at speed
+  1 / (1 + c) beside it, its work W (seconds at full speed: `work_s_per_sample`, the
+  profile's, times the samples) is T_n + T_o / (1 + c), so c = T_o / (W - T_n) - 1 (see
+  `busy_in_window` for the window). Raises where the role overlapped the other for under
+  `min_overlap` of its busy time (nothing to measure), or was slower alone than its work
+  allows (then c is not the cause)."""
+  if not work_s_per_sample > 0:
+    raise ValueError(f"work_s_per_sample={work_s_per_sample!r} must be > 0")
+  figures = busy_in_window(spans, records, role, beside, skip_versions)
+  total, overlap = figures["busy_s"], figures["beside_s"]
+  alone, work = total - overlap, work_s_per_sample * figures["samples"]
+  figures["work_s"] = work
+  if total <= 0 or overlap < min_overlap * total:
+    raise ValueError(f"the {role} was beside a busy {beside} for {overlap:.3f} of its "
+                     f"{total:.3f} busy seconds (under {min_overlap}): no contention to "
+                     "measure; use a run whose roles overlap")
+  if work <= alone:
+    raise ValueError(f"the {role}'s {alone:.3f} s alone already exceed its work of {work:.3f} "
+                     "s: the profile's cost does not fit this run")
+  return {**figures, "contention": max(0.0, overlap / (work - alone) - 1.0)}
+
+
+def scaled_learner(profile: Profile, scale: float) -> Profile:
+  """`profile` with every learner cost (per update, per token, recompute, old-logprob pass)
+  times `scale`."""
+  if not math.isfinite(scale) or scale <= 0:
+    raise ValueError(f"scale={scale!r} must be a positive number")
+  learner = profile.learner
+  return dataclasses.replace(profile, learner=dataclasses.replace(
+      learner, per_update_s=learner.per_update_s * scale,
+      s_per_token=learner.s_per_token * scale,
+      recompute_s_per_token=learner.recompute_s_per_token * scale,
+      old_logprob_s_per_token=learner.old_logprob_s_per_token * scale))
+
+
+def match_contention(busy_per_sample: Callable[[float], float], target: float,
+                     high: float = 8.0, steps: int = 14) -> float:
+  """The c in [0, high] at which `busy_per_sample(c)` (a simulated run's busy seconds per
+  sample of a role, growing with c) meets `target`, by bisection; 0 or `high` at the edges.
+  For a role whose work depends on the schedule (the rollout's decode steps run at any
+  occupancy of the slots), where `role_contention`'s closed form does not hold."""
+  if not math.isfinite(target) or target <= 0:
+    raise ValueError(f"target={target!r} must be a positive number")
+  if busy_per_sample(0.0) >= target:
+    return 0.0
+  if busy_per_sample(high) <= target:
+    return high
+  low = 0.0
+  for _ in range(steps):
+    mid = (low + high) / 2
+    low, high = (mid, high) if busy_per_sample(mid) < target else (low, mid)
+  return (low + high) / 2
+
+
+CONTENTION_MODELS = ("contention", "scale")
+
+
+def contention_from_run(used: Profile, spans: list[tuple[str, float, float]],
+                        records: list[dict], config, seed: int = 0,
+                        model: str = "contention") -> dict:
+  """The roles' slowdowns in an async run of this host (its `spans` and `records`; run under
+  `config`), against each role's work in `used` simulated for the same config with no
+  contention. The learner, by `model`:
+  - 'contention': slower only beside a busy rollout (`role_contention`);
+  - 'scale': slower by one factor all the time, its busy seconds per sample over its work
+    per sample (`learner.scale`; its contention 0).
+  Then the rollout's contention by `match_contention`: the c at which a simulation
+  of that run, with the learner's figure, keeps the rollout busy as long per sample as the run
+  did."""
+  if model not in CONTENTION_MODELS:
+    raise ValueError(f"model={model!r}; allowed: {CONTENTION_MODELS}")
+  free = dataclasses.replace(used, contention=0.0, learner_contention=0.0, startup_s=0.0,
+                             shutdown_s=0.0)
+  summary = simulate(free, config, seed=seed).summary
+  work = summary["learner/busy_s"] / summary["consumed_samples"]
+  if model == "contention":
+    learner = role_contention(spans, records, work)
+  else:
+    learner = busy_in_window(spans, records, "learner", "rollout")
+    learner.update(contention=0.0, scale=learner["busy_s"] / learner["samples"] / work)
+    free = scaled_learner(free, learner["scale"])
+  rollout = busy_in_window(spans, records, "rollout", "learner")
+
+  def rollout_per_sample(c: float) -> float:
+    run = simulate(dataclasses.replace(free, contention=c,
+                                       learner_contention=learner["contention"]),
+                   config, seed=seed, spans=True)
+    window = busy_in_window(run.spans, run.records, "rollout", "learner")
+    return window["busy_s"] / window["samples"]
+
+  rollout["contention"] = match_contention(rollout_per_sample,
+                                                     rollout["busy_s"] / rollout["samples"])
+  return {"learner": learner, "rollout": rollout}
 
 
 def median_ceiling(results: list[dict]) -> dict:

@@ -16,9 +16,10 @@ from collections.abc import Callable
 
 
 class Clock:
-  __slots__ = ("_heap", "_seq", "now", "stopped")
+  __slots__ = ("_heap", "_seq", "now", "spans", "stopped")
 
-  def __init__(self):
+  def __init__(self, spans: bool = False):
+    self.spans: list[tuple[str, float, float]] | None = [] if spans else None  # (role, start, end)
     self.now = 0.0
     self._heap: list[list] = []
     self._seq = 0
@@ -154,6 +155,8 @@ class Device:
   def _finish(self) -> None:
     now = self.clock.now
     self.busy_s[self._role] = self.busy_s.get(self._role, 0.0) + now - self._since
+    if self.clock.spans is not None:
+      self.clock.spans.append((self._role, self._since, now))
     done, self._done, self._event = self._done, None, None
     if self._host is not None:
       self._host.active.remove(self)

@@ -6,8 +6,11 @@ role) and its operative `config.gin`, and fits:
 - the decode-step time: the run's rollout busy seconds per version divided by the decode steps
   the simulator needs for one version of this batch geometry and length distribution (the
   engine runs every slot at each step, so the step time does not depend on active slots);
-- the response length distribution: P(L = k) ∝ r^k on [1, max] with the run's mean response
-  length (the built-in task's family; `max` from `DigitReverseTask.max_len`, else 25);
+- the response length distribution: the groups the fitted versions consumed, each drawn whole
+  (`lengths/groups`: a group's members answer one prompt, so their lengths go together, and a
+  long tail is kept as measured); for a run recorded without them, P(L = k) ∝ r^k on [1, max]
+  with the run's mean response length (the built-in task's family; `max` from the task's
+  `max_len` + 1, else 25);
 - the learner: busy seconds per version = per_update_s + s_per_token * tokens, least squares
   over versions (per-token only when the fit is degenerate). A run whose updates all have one
   size cannot tell the two apart; `learner_fixed_fraction` f, measured elsewhere (the share of
@@ -64,7 +67,7 @@ def read_run_config(run_dir: str) -> dict:
   for name, value in re.findall(r"RunConfig\.(\w+) = ([^\n\\]+)", text):
     if name in _KNOBS:
       knobs[name] = _literal(value.strip())
-  match = re.search(r"DigitReverseTask\.max_len = (\d+)", text)
+  match = re.search(r"\w+Task\.max_len = (\d+)", text)  # the response cap is max_len + 1
   if match:
     knobs["task_max_len"] = int(match.group(1))
   return knobs
@@ -98,6 +101,16 @@ def geometric_ratio(mean: float, low: int, high: int) -> float:
     mid = math.sqrt(lo * hi)
     lo, hi = (mid, hi) if mean_of(mid) < mean else (lo, mid)
   return math.sqrt(lo * hi)
+
+
+def length_model(records: list[dict], mean_tokens: float, cap: int) -> LengthModel:
+  """The fitted versions' consumed groups, drawn whole (`lengths/groups` in their records); a
+  run recorded without them: P(L = k) ∝ r^k on [1, cap] with the run's mean length."""
+  groups = tuple(tuple(int(n) for n in g) for r in records for g in r.get("lengths/groups") or ())
+  if groups:
+    return LengthModel(kind="groups", min=1, max=max(cap, max(max(g) for g in groups)),
+                       groups=groups)
+  return LengthModel(kind="geometric", min=1, max=cap, ratio=geometric_ratio(mean_tokens, 1, cap))
 
 
 def span_totals(path: str, begin_s: float, end_s: float) -> dict[str, float] | None:
@@ -141,9 +154,8 @@ def profile_from_run(run_dir: str, *, skip_versions: int = 2, seed: int = 0,
     busy.update({role: totals[role] for role in busy if role in totals})
   group_size = int(knobs.get("group_size", 8))
   slots = int(knobs.get("max_concurrent_decodes", 64))
-  mean_tokens = tokens / samples
-  length = LengthModel(kind="geometric", min=1, max=int(knobs.get("task_max_len", 24)) + 1,
-                       ratio=geometric_ratio(mean_tokens, 1, int(knobs.get("task_max_len", 24)) + 1))
+  length = length_model(records[skip_versions + 1:], tokens / samples,
+                        int(knobs.get("task_max_len", 24)) + 1)
 
   # Learner: per-version busy = a + b * tokens over the fitted versions.
   steps = np.diff([r["learner/busy_s"] for r in records[skip_versions:]])
@@ -187,7 +199,7 @@ def profile_from_run(run_dir: str, *, skip_versions: int = 2, seed: int = 0,
                      max_concurrent_decodes=slots, total_samples=10 ** 9)
   probe = dataclasses.replace(base, reward_latency=LatencyModel(), version_overhead_s=0.0,
                               learner=LearnerCost(), sync=SyncCost())
-  probe_versions = 20
+  probe_versions = max(200, versions)  # a long tail needs many versions for a steady mean
   steps_per_version = simulate(probe, config, num_versions=probe_versions, seed=seed).summary[
       "rollout/busy_s"] / probe_versions
   step_s = busy["rollout"] / versions / steps_per_version

@@ -7,7 +7,8 @@ loops that `simulator.py` drives. Times are seconds of the virtual clock.
   active slots takes `decode_curve(n)` s (piecewise linear through the given (n, s) points);
   prefill costs `prefill_s_per_token` per prompt token (once per group: its members share the
   prompt) and per re-prefilled token after a weight swap ('reprefill'); `weight_load_s` to load
-  new weights. Response lengths follow `response_length`; prompts have `prompt_tokens` tokens.
+  new weights. Response lengths follow `response_length` (kind 'groups': measured groups drawn
+  whole, as `--profile_from` fits them); prompts have `prompt_tokens` tokens.
 - reward: `workers` scorers, each sample's latency drawn from `reward_latency`; a sample fails
   with probability `fail_prob` (its group is dropped as `reward_failed` by the buffer).
 - learner: an update of T response tokens takes `per_update_s + T * s_per_token`; a window's
@@ -50,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-LENGTH_KINDS = ("fixed", "geometric", "lognormal", "empirical")
+LENGTH_KINDS = ("fixed", "geometric", "lognormal", "empirical", "groups")
 LATENCY_KINDS = ("fixed", "lognormal")
 
 
@@ -84,6 +85,7 @@ class LengthModel:
   sigma: float = 1.0  # lognormal
   values: tuple = ()  # empirical: lengths ...
   weights: tuple = ()  # ... and their weights (uniform if empty)
+  groups: tuple = ()  # groups: measured groups' member lengths, each drawn whole
 
   def __post_init__(self):
     if self.kind not in LENGTH_KINDS:
@@ -99,6 +101,11 @@ class LengthModel:
     if self.kind == "empirical" and (not self.values or (
         self.weights and len(self.weights) != len(self.values))):
       _fail("response_length.values", self.values, "a non-empty list (weights: same length)")
+    if self.kind == "groups" and (not self.groups or not all(
+        isinstance(g, tuple) and g and all(isinstance(n, int) and n >= 0 for n in g)
+        for g in self.groups)):
+      _fail("response_length.groups", self.groups,
+            "a non-empty list of non-empty lists of lengths (ints >= 0)")
 
   def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
     if self.kind == "fixed":
@@ -110,10 +117,31 @@ class LengthModel:
       lengths = rng.choice(support, size=n, p=probs / probs.sum())
     elif self.kind == "lognormal":
       lengths = self.median * np.exp(self.sigma * rng.standard_normal(n))
+    elif self.kind == "groups":  # a random member of a random group: the lengths' marginal
+      sizes = np.fromiter((len(g) for g in self.groups), np.int64, len(self.groups))
+      flat = np.fromiter((x for g in self.groups for x in g), np.int64, int(sizes.sum()))
+      pick = rng.integers(len(sizes), size=n)
+      offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+      lengths = flat[offsets[pick] + (rng.random(n) * sizes[pick]).astype(np.int64)]
     else:
       weights = np.asarray(self.weights or [1.0] * len(self.values), np.float64)
       lengths = rng.choice(np.asarray(self.values, np.float64), size=n, p=weights / weights.sum())
     return np.clip(np.rint(lengths), self.min, self.max).astype(np.int64)
+
+  def sample_groups(self, rng: np.random.Generator, count: int, size: int) -> list[list[int]]:
+    """`count` groups of `size` lengths. Kind 'groups' draws measured groups whole (members of
+    one prompt have alike lengths: a group finishes with its longest member); a measured group
+    of another size gives `size` of its members, drawn with replacement. Other kinds draw
+    every member on its own."""
+    if self.kind != "groups":
+      return self.sample(rng, count * size).reshape(count, size).tolist()
+    pick = rng.integers(len(self.groups), size=count)
+    if all(len(g) == size for g in self.groups):
+      rows = np.asarray(self.groups, np.int64)[pick]
+    else:
+      rows = np.asarray([[g[i] for i in rng.integers(len(g), size=size)]
+                         for g in (self.groups[j] for j in pick)], np.int64)
+    return np.clip(rows, self.min, self.max).tolist()
 
   def mean(self, draws: int = 200_000) -> float:
     return float(self.sample(np.random.default_rng(0), draws).mean())
@@ -240,6 +268,17 @@ class Profile:
 
   def to_dict(self) -> dict[str, Any]:
     return json.loads(json.dumps(dataclasses.asdict(self)))
+
+  def brief_dict(self) -> dict[str, Any]:
+    """`to_dict` with measured groups of lengths described in words, for printing."""
+    data = self.to_dict()
+    groups = self.response_length.groups
+    if groups:
+      flat = np.asarray([n for g in groups for n in g])
+      data["response_length"]["groups"] = (
+          f"{len(groups)} measured groups: mean {flat.mean():.2f}, p50 "
+          f"{np.quantile(flat, 0.5):.0f}, p90 {np.quantile(flat, 0.9):.0f}, max {flat.max()}")
+    return data
 
 
 _NESTED = {"response_length": LengthModel, "rollout": RolloutCost, "reward_latency": LatencyModel,

@@ -164,9 +164,12 @@ class ReplicaPool:
     queue = self._streams.get(name)
     if queue is None or len(queue) < count:
       prof, size = self.profile, max(_DRAW_BATCH, count)
-      fresh = {"length": lambda: prof.response_length.sample(self.rng, size),
-               "failed": lambda: self.rng.random(size) < prof.reward_fail_prob,
-               "latency": lambda: prof.reward_latency.sample(self.rng, size)}[name]().tolist()
+      if name.startswith("group"):  # "group<size>": whole groups' lengths
+        fresh = prof.response_length.sample_groups(self.rng, size, int(name[len("group"):]))
+      else:
+        fresh = {"length": lambda: prof.response_length.sample(self.rng, size),
+                 "failed": lambda: self.rng.random(size) < prof.reward_fail_prob,
+                 "latency": lambda: prof.reward_latency.sample(self.rng, size)}[name]().tolist()
       queue = self._streams[name] = fresh[::-1] + (queue or [])  # pop() takes the oldest
     taken = queue[-count:]
     del queue[-count:]
@@ -174,7 +177,11 @@ class ReplicaPool:
     return taken
 
   def new_group(self, group_id: int, group_size: int) -> list[Generation]:
-    lengths = self._draws("length", group_size)
+    model = self.profile.response_length
+    if model.kind == "groups":  # measured groups drawn whole
+      lengths = self._draws(f"group{group_size}", 1)[0]
+    else:
+      lengths = self._draws("length", group_size)
     failed = self._draws("failed", group_size)
     top, block = self.profile.response_length.max, self.block
     return [Generation(group_id, i, n, -(-n // block), n >= top, f)

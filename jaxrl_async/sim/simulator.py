@@ -17,13 +17,14 @@ import numpy as np
 
 from jaxrl_async.buffer import VersionedBuffer, staleness_control
 from jaxrl_async.config import RunConfig
-from jaxrl_async.metrics import JsonlWriter, staleness_metrics
+from jaxrl_async.metrics import JsonlWriter, group_lengths, staleness_metrics
 from jaxrl_async.run.handoff import Handoffs
 from jaxrl_async.sim.clock import Clock, Device, Host
 from jaxrl_async.sim.drivers import SimLearner, sync_loop
 from jaxrl_async.sim.profile import LearnerCost, Profile
 from jaxrl_async.sim.replicas import ReplicaPool
 from jaxrl_async.sim.roles import Process, ReadyGroups, SimRollouter
+from jaxrl_async.sinks import SPANS_FILE
 
 ROLES = ("rollout", "reward", "learner", "sync")
 
@@ -33,15 +34,21 @@ class SimResult:
   records: list[dict]
   summary: dict
   counts: dict  # the buffer's sample counts at the end (before the queue is discarded)
+  spans: list | None = None  # (role, start, end) of every piece of work, if asked for
 
   def write(self, out_dir: str | os.PathLike) -> None:
-    """metrics.jsonl (one record per policy version) and summary.json, as a real run writes."""
+    """metrics.jsonl (one record per policy version), summary.json and, with spans,
+    spans.jsonl, as a real run writes them."""
     import json
     os.makedirs(out_dir, exist_ok=True)
     writer = JsonlWriter(os.path.join(out_dir, "metrics.jsonl"))
     for record in self.records:
       writer.write(record)
     writer.close()
+    if self.spans is not None:
+      with open(os.path.join(out_dir, SPANS_FILE), "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"role": role, "start": start, "end": end}) + "\n"
+                     for role, start, end in self.spans)
     with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as f:
       json.dump(_finite(self.summary), f, indent=2, sort_keys=True)
 
@@ -129,7 +136,7 @@ class Recorder:
               "sync/latency_s": sync_latency, "sync/bytes": self.profile.sync.bytes,
               "sync/interval_steps": self.config.trigger_parameter_sync_step,
               "algo/old_logprob_source": self.config.learner.old_logprob_source,
-              **staleness, **self.buffer.metrics(), **extra,
+              **staleness, **group_lengths(groups), **self.buffer.metrics(), **extra,
               **self.counters()}
     if self.handoffs is not None:  # as run/loop.py's on_version
       self.handoffs.observe(groups)
@@ -150,13 +157,14 @@ class Recorder:
 
 
 def simulate(profile: Profile, config: RunConfig, *, num_versions: int | None = None,
-             seed: int = 0, max_events: int = 50_000_000) -> SimResult:
-  """Runs `config.mode` for `num_versions` policy versions (default: the config's budget)."""
+             seed: int = 0, max_events: int = 50_000_000, spans: bool = False) -> SimResult:
+  """Runs `config.mode` for `num_versions` policy versions (default: the config's budget);
+  `spans`: keep every role's busy intervals (`SimResult.spans`)."""
   began = time.perf_counter()
   num_versions = config.num_versions if num_versions is None else int(num_versions)
   if num_versions < 1:
     raise ValueError(f"num_versions={num_versions} must be >= 1")
-  clock = Clock()
+  clock = Clock(spans=spans)
   host = Host(profile.contention, None if profile.learner_contention is None
               else {"learner": profile.learner_contention})
   rollout_cost, learner_cost = profile.resources(config.mode)
@@ -236,7 +244,7 @@ def simulate(profile: Profile, config: RunConfig, *, num_versions: int | None = 
   counts = buffer.counts
   return SimResult(recorder.records,
                    summarise(recorder, config, profile, counts, events,
-                             time.perf_counter() - began), counts)
+                             time.perf_counter() - began), counts, clock.spans)
 
 
 def summarise(recorder: Recorder, config: RunConfig, profile: Profile, counts: dict,

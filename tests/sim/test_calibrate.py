@@ -160,3 +160,52 @@ def test_the_median_ceiling_takes_each_figure_s_median_over_the_repeats():
   assert out == {"kind": "core_overlap", "roles": {"learner_ms_per_batch": 12.0, "batches": 100}}
   with pytest.raises(ValueError, match="at least one"):
     calibrate.median_ceiling([])
+
+
+def _versions(times, samples_per_version=10):
+  return [{"policy_version": v, "time_s": t, "samples": v * samples_per_version,
+           "algo/version_gap_max": 0} for v, t in enumerate(times, start=1)]
+
+
+def test_the_learners_contention_is_its_slowdown_beside_a_busy_rollout():
+  """Learner busy 1.5 s alone and 4.5 s beside the rollout, for 3.75 s of work: T_n + T_o /
+  (1 + c) = 3.75 gives c = 1. Spans before the window (from version 3's record) do not count."""
+  records = _versions([1.0, 5.0, 10.0, 14.0, 20.0])  # window 10 -> 20 s: 20 samples
+  spans = [("learner", 6.0, 9.0), ("rollout", 6.0, 9.0),  # before the window
+           ("learner", 10.0, 12.0), ("learner", 12.0, 14.0), ("learner", 15.0, 17.0),
+           ("rollout", 11.5, 12.0), ("rollout", 12.0, 14.0), ("rollout", 13.0, 17.5),
+           ("reward", 10.0, 20.0)]
+  # learner 10-14 and 15-17 (6 s); rollout 11.5-17.5: beside it 11.5-14 and 15-17 (4.5 s).
+  assert calibrate.overlap_s([[10.0, 14.0], [15.0, 17.0]], [[11.5, 17.5]]) == pytest.approx(4.5)
+  out = calibrate.role_contention(spans, records, work_s_per_sample=3.75 / 20)
+  assert out["busy_s"] == pytest.approx(6.0)
+  assert out["beside_s"] == pytest.approx(4.5)
+  assert out["contention"] == pytest.approx(4.5 / (3.75 - 1.5) - 1.0)  # 1.0
+  # Work at least as long as the busy time: no slowdown, c = 0.
+  assert calibrate.role_contention(spans, records, 0.5)["contention"] == 0.0
+  # The rollout, the other way round: busy 6 s (11.5-17.5), 4.5 s of them beside the learner;
+  # 1.5 s alone + 4.5 s / (1 + c) = 3 s of work gives c = 2.
+  rollout = calibrate.role_contention(spans, records, 3.0 / 20, role="rollout",
+                                      beside="learner")
+  assert rollout["contention"] == pytest.approx(2.0)
+
+
+def test_a_run_whose_roles_did_not_overlap_or_whose_role_is_slower_alone_is_refused():
+  records = _versions([1.0, 5.0, 10.0, 14.0, 20.0])
+  apart = [("learner", 10.0, 14.0), ("rollout", 14.0, 18.0)]
+  with pytest.raises(ValueError, match="no contention to measure"):
+    calibrate.role_contention(apart, records, 0.1)
+  beside = [("learner", 10.0, 18.0), ("rollout", 16.0, 18.0)]  # 6 s alone
+  with pytest.raises(ValueError, match="does not fit this run"):
+    calibrate.role_contention(beside, records, 5.0 / 20)
+  with pytest.raises(ValueError, match="more than 3 version records"):
+    calibrate.role_contention(beside, records[:3], 0.1)
+
+
+def test_match_contention_finds_where_a_growing_busy_time_meets_the_target():
+  busy = lambda c: 0.002 * (1.0 + 0.5 * c)  # noqa: E731
+  assert calibrate.match_contention(busy, 0.003) == pytest.approx(1.0, abs=1e-3)
+  assert calibrate.match_contention(busy, 0.001) == 0.0  # faster than with no contention
+  assert calibrate.match_contention(busy, 1.0, high=8.0) == 8.0  # beyond the range
+  with pytest.raises(ValueError, match="target"):
+    calibrate.match_contention(busy, float("nan"))

@@ -9,7 +9,9 @@ import pytest
 
 from benchmarks import concurrency_ceiling, sim_calibration, sim_speed, sim_verl
 from jaxrl_async.config import RunConfig
-from jaxrl_async.sim import profile_from_dict, simulate
+from jaxrl_async.metrics import read_jsonl
+from jaxrl_async.sim import calibrate, profile_from_dict, simulate
+from jaxrl_async.sinks import SPANS_FILE, read_spans
 from tests.sim.test_profiles_and_command import GEOMETRY, PROFILE
 
 
@@ -110,3 +112,43 @@ def test_sim_calibration_reads_task_files_after_each_modes_gin(monkeypatch):
   assert configs["recipes/rlvr_async"].require_batches == 4  # the recipe's own settings kept
   with pytest.raises(SystemExit):
     sim_calibration.main(["--reuse", "--task_file", "gin/tasks/no_such_task.gin"])
+
+
+LONG_TAIL = {**PROFILE, "response_length": {"kind": "groups", "min": 1, "max": 25,
+                                           "groups": [[3, 3, 4, 3], [20, 25, 22, 21],
+                                                      [6, 6, 6, 5]]}}
+OVERLAP = RunConfig(mode="async_partial", staleness_threshold=1.0, partial_rollout=True,
+                    **{**GEOMETRY, "total_samples": 6400})
+
+
+def _measured(truth, tmp_path, model):
+  """`truth`'s async run, written with its spans, measured against the long-tail profile."""
+  run = simulate(truth, OVERLAP, spans=True)
+  assert run.spans and {role for role, _, _ in run.spans} >= {"learner", "rollout"}
+  run.write(tmp_path)
+  return calibrate.contention_from_run(
+      profile_from_dict(LONG_TAIL), read_spans(str(tmp_path / SPANS_FILE)),
+      read_jsonl(str(tmp_path / "metrics.jsonl")), OVERLAP, model=model)
+
+
+def test_contentions_from_an_async_runs_spans_recover_the_runs_own(tmp_path):
+  """Round trip: an async run simulated with known contentions (the learner 1.0 beside the
+  rollout, the rollout 0.5 beside the learner) writes its spans; measured against the same
+  profile without contention, they give those contentions back."""
+  truth = dataclasses.replace(profile_from_dict(LONG_TAIL), contention=0.5,
+                              learner_contention=1.0)
+  measured = _measured(truth, tmp_path, "contention")
+  assert measured["learner"]["contention"] == pytest.approx(1.0, rel=0.1)
+  assert measured["rollout"]["contention"] == pytest.approx(0.5, rel=0.1)
+  assert measured["learner"]["beside_s"] > 0.3 * measured["learner"]["busy_s"]
+
+
+def test_the_scale_model_recovers_a_learner_slower_by_one_factor(tmp_path):
+  truth = dataclasses.replace(calibrate.scaled_learner(profile_from_dict(LONG_TAIL), 1.5),
+                              contention=0.5, learner_contention=0.0)
+  measured = _measured(truth, tmp_path, "scale")
+  assert measured["learner"]["scale"] == pytest.approx(1.5, rel=0.1)
+  assert measured["learner"]["contention"] == 0.0
+  assert measured["rollout"]["contention"] == pytest.approx(0.5, rel=0.15)
+  with pytest.raises(ValueError, match="model='both'"):
+    calibrate.contention_from_run(truth, [], [], OVERLAP, model="both")
