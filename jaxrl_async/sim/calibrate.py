@@ -40,6 +40,7 @@ Pure functions of plain data; the benchmark that measures the inputs is
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -258,7 +259,10 @@ def match_contention(busy_per_sample: Callable[[float], float], target: float,
   return (low + high) / 2
 
 
-CONTENTION_MODELS = ("contention", "scale")
+CONTENTION_MODELS = ("contention", "scale", "auto")
+# The largest contention 'auto' believes: beside one other busy role, a role of this host runs
+# at no less than a quarter of its speed (two roles sharing cores each keep a share of them).
+PLAUSIBLE_CONTENTION = 3.0
 
 
 def contention_from_run(used: Profile, spans: list[tuple[str, float, float]],
@@ -269,21 +273,31 @@ def contention_from_run(used: Profile, spans: list[tuple[str, float, float]],
   contention. The learner, by `model`:
   - 'contention': slower only beside a busy rollout (`role_contention`);
   - 'scale': slower by one factor all the time, its busy seconds per sample over its work
-    per sample (`learner.scale`; its contention 0).
-  Then the rollout's contention by `match_contention`: the c at which a simulation
-  of that run, with the learner's figure, keeps the rollout busy as long per sample as the run
-  did."""
+    per sample (`learner.scale`; its contention 0);
+  - 'auto': 'contention' where it fits with a c of at most PLAUSIBLE_CONTENTION, else 'scale'
+    (a larger c, or a learner slower alone than its work, says it was slow apart from the
+    rollout too, which no contention explains).
+  Then the rollout's contention by `match_contention`: the c at which a simulation of that
+  run, with the learner's figure, keeps the rollout busy as long per sample as the run did.
+  The learner's entry names the model used (`model`)."""
   if model not in CONTENTION_MODELS:
     raise ValueError(f"model={model!r}; allowed: {CONTENTION_MODELS}")
   free = dataclasses.replace(used, contention=0.0, learner_contention=0.0, startup_s=0.0,
                              shutdown_s=0.0)
   summary = simulate(free, config, seed=seed).summary
   work = summary["learner/busy_s"] / summary["consumed_samples"]
+  learner = None
   if model == "contention":
-    learner = role_contention(spans, records, work)
-  else:
-    learner = busy_in_window(spans, records, "learner", "rollout")
-    learner.update(contention=0.0, scale=learner["busy_s"] / learner["samples"] / work)
+    learner = {**role_contention(spans, records, work), "model": "contention"}
+  elif model == "auto":
+    with contextlib.suppress(ValueError):  # no overlap, or slower alone than its work
+      learner = {**role_contention(spans, records, work), "model": "contention"}
+    if learner is not None and learner["contention"] > PLAUSIBLE_CONTENTION:
+      learner = None
+  if learner is None:
+    learner = {**busy_in_window(spans, records, "learner", "rollout"), "model": "scale",
+               "contention": 0.0}
+    learner["scale"] = learner["busy_s"] / learner["samples"] / work
     free = scaled_learner(free, learner["scale"])
   rollout = busy_in_window(spans, records, "rollout", "learner")
 
@@ -295,7 +309,7 @@ def contention_from_run(used: Profile, spans: list[tuple[str, float, float]],
     return window["busy_s"] / window["samples"]
 
   rollout["contention"] = match_contention(rollout_per_sample,
-                                                     rollout["busy_s"] / rollout["samples"])
+                                           rollout["busy_s"] / rollout["samples"])
   return {"learner": learner, "rollout": rollout}
 
 

@@ -150,5 +150,16 @@ def test_the_scale_model_recovers_a_learner_slower_by_one_factor(tmp_path):
   assert measured["learner"]["scale"] == pytest.approx(1.5, rel=0.1)
   assert measured["learner"]["contention"] == 0.0
   assert measured["rollout"]["contention"] == pytest.approx(0.5, rel=0.15)
+  assert measured["learner"]["model"] == "scale"
+  # 'auto' reads a learner three times slower everywhere as a scale (as a contention it would
+  # be slower alone than its work) and the run of the test above as a contention.
+  slow = dataclasses.replace(calibrate.scaled_learner(profile_from_dict(LONG_TAIL), 3.0),
+                             contention=0.5, learner_contention=0.0)
+  auto = _measured(slow, tmp_path / "a", "auto")["learner"]
+  assert auto["model"] == "scale" and auto["scale"] == pytest.approx(3.0, rel=0.1)
+  contended = dataclasses.replace(profile_from_dict(LONG_TAIL), contention=0.5,
+                                  learner_contention=1.0)
+  auto = _measured(contended, tmp_path / "b", "auto")["learner"]
+  assert auto["model"] == "contention" and auto["contention"] == pytest.approx(1.0, rel=0.1)
   with pytest.raises(ValueError, match="model='both'"):
     calibrate.contention_from_run(truth, [], [], OVERLAP, model="both")
