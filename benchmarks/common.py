@@ -1,7 +1,10 @@
 """What every benchmark shares: one JSON line on stdout, optionally also written to a file."""
 
+import glob
 import json
 import os
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def emit_json_line(record: dict, out: str | None = None) -> str:
@@ -22,3 +25,26 @@ def emit_result(record: dict, out_stem: str | None = None) -> int:
       json.dump(record, f, indent=1, default=float)
   print(json.dumps(record, default=float))
   return 0
+
+
+def newest_result(pattern: str, want) -> tuple[dict | None, str]:
+  """The newest line (by its timestamp, else the file name) of results/<pattern> for which
+  `want(record)` holds."""
+  best, name = None, f"no {pattern} result"
+  for path in sorted(glob.glob(os.path.join(RESULTS, pattern))):
+    with open(path, encoding="utf-8") as f:
+      for line in f:
+        record = json.loads(line) if line.strip() else None
+        if record and want(record) and (best is None or record.get("timestamp", "")
+                                        >= best.get("timestamp", "")):
+          best, name = record, os.path.basename(path)
+  return best, name
+
+
+def median_run(run_dirs_: list[str]) -> str:
+  """Of the run directories, the one of median samples/s (the lower middle of an even count)."""
+  speeds = []
+  for run_dir in run_dirs_:
+    with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
+      speeds.append((json.load(f)["system/samples_per_s"], run_dir))
+  return sorted(speeds)[(len(speeds) - 1) // 2][1]

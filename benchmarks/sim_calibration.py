@@ -77,29 +77,15 @@ def newest_ceiling() -> tuple[dict | None, str]:
   return best, name
 
 
-def newest_result(pattern: str, want) -> tuple[dict | None, str]:
-  """The newest line (by its timestamp, else the file name) of results/<pattern> for which
-  `want(record)` holds."""
-  best, name = None, f"no {pattern} result"
-  for path in sorted(glob.glob(os.path.join(RESULTS, pattern))):
-    with open(path, encoding="utf-8") as f:
-      for line in f:
-        record = json.loads(line) if line.strip() else None
-        if record and want(record) and (best is None or record.get("timestamp", "")
-                                        >= best.get("timestamp", "")):
-          best, name = record, os.path.basename(path)
-  return best, name
-
-
 def buffer_cost(backend: str) -> tuple[float, str]:
   """Threads: 0 (the buffer is in-process, as in the sync run); processes: the newest stored
   cross-process buffer_throughput figure (columnar transport, a step's groups in one put)
   against the newest in-process one."""
   if backend == "threads":
     return 0.0, "threads: in-process buffer, as in the sync run"
-  cross, cross_name = newest_result("buffer_throughput-cross_process-*.json",
+  cross, cross_name = common.newest_result("buffer_throughput-cross_process-*.json",
                                     lambda r: "columnar_x4" in r.get("transports", {}))
-  local, local_name = newest_result("buffer_throughput-*", lambda r: "samples_per_s_1_producer"
+  local, local_name = common.newest_result("buffer_throughput-*", lambda r: "samples_per_s_1_producer"
                                     in r and r.get("side", "new") == "new")
   if cross is None or local is None:
     return 0.0, f"not measured ({cross_name}; {local_name})"
@@ -227,6 +213,10 @@ def main(argv=None) -> int:
                            "(calibrate.contention_from_run): only beside a busy rollout, or one factor")
   parser.add_argument("--contention_samples", type=int, default=6400,
                       help="samples of --contention_mode's warm-up run")
+  parser.add_argument("--contention_rounds", action="store_true",
+                      help="with --contention_mode: also run that mode at the start of every "
+                           "round (contention-r<k>) and read the contentions from the round "
+                           "of median samples/s, so the reading sees the host as the rounds do")
   parser.add_argument("--task_file", action="append", default=[],
                       help="gin files after each mode's (e.g. gin/tasks/rlvr.gin: the RLVR "
                            "workload); the ceiling's role loops stay the default run's")
@@ -244,6 +234,8 @@ def main(argv=None) -> int:
     raise SystemExit("--modes must include sync (its run is the profile)")
   if args.contention_mode is not None and args.contention_mode not in modes:
     parser.error(f"--contention_mode {args.contention_mode!r} is not among the runs {modes}")
+  if args.contention_rounds and args.contention_mode is None:
+    parser.error("--contention_rounds needs --contention_mode")
   bindings = [f"RunConfig.total_samples = {args.total_samples}", f"RunConfig.seed = {args.seed}",
               "RunConfig.eval_every_versions = 25",
               "RunConfig.checkpoint_every_versions = 1000000", *args.gin_bindings]
@@ -270,6 +262,13 @@ def main(argv=None) -> int:
         modes_benchmark.run_mode(mode, [*bindings, f"RunConfig.total_samples = {samples}"],
                                  warm, args.backend, args.task_file)
     for round_ in range(args.repeats):
+      if args.contention_rounds:  # the host's slowdown read in every round, beside its runs
+        print(f"contention run of {args.contention_mode} (round {round_ + 1}) ...",
+              file=sys.stderr, flush=True)
+        modes_benchmark.run_mode(args.contention_mode, [
+            *bindings, f"RunConfig.total_samples = {args.contention_samples}"],
+            os.path.join(args.work_dir, f"contention-r{round_ + 1}"), args.backend,
+            args.task_file)
       for mode in modes:
         print(f"running {mode} (round {round_ + 1} of {args.repeats}) ...", file=sys.stderr,
               flush=True)
@@ -306,8 +305,7 @@ def main(argv=None) -> int:
                            for role in ("rollout", "learner")}
     measured_handoff[mode] = median_of(summaries, "handoff/publish_to_enqueue_s_p50")
     if mode == "sync":  # the profile's run: the round of median samples/s
-      sync_dir = sorted(summaries, key=lambda s: s[0]["system/samples_per_s"])[
-          (len(summaries) - 1) // 2][1]
+      sync_dir = common.median_run([run_dir for _, run_dir in summaries])
   ceiling_path = args.ceiling_from or os.path.join(args.work_dir, CEILING_FILE)
   if args.ceiling_from:
     with open(args.ceiling_from, encoding="utf-8") as f:
@@ -340,7 +338,11 @@ def main(argv=None) -> int:
         args.task_file)[args.handoff_mode]
   contention_run = None
   if args.contention_mode is not None:
-    contention_run = (os.path.join(args.work_dir, f"warmup-{args.contention_mode}"), run_configs(
+    contention_dir = (common.median_run([os.path.join(args.work_dir, f"contention-r{k}")
+                                  for k in range(1, args.repeats + 1)])
+                      if args.contention_rounds
+                      else os.path.join(args.work_dir, f"warmup-{args.contention_mode}"))
+    contention_run = (contention_dir, run_configs(
         [args.contention_mode], [*bindings, "RunConfig.total_samples = "
                                  f"{args.contention_samples}"], args.task_file)[
         args.contention_mode], args.contention_model)
@@ -348,7 +350,8 @@ def main(argv=None) -> int:
                                              handoff_config, args.seed, args.contention,
                                              handoff_wall_s, contention_run)
   if args.contention_mode is not None:
-    factors["contention_source"] = (f"warmup-{args.contention_mode} run's spans, "
+    factors["contention_source"] = (f"{os.path.basename(contention_dir)} "
+                                    f"({args.contention_mode}) run's spans, "
                                     f"{args.contention_model} model")
   factors["handoff_source"] = (f"warmup-{args.handoff_mode} run's records"
                                if handoff_records is not None else "no run: 0")

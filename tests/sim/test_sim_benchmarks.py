@@ -94,6 +94,28 @@ def test_sim_calibration_takes_the_median_of_its_rounds(tmp_path, capsys):
     sim_calibration.main(["--reuse", "--work_dir", str(tmp_path), "--repeats", "0"])
 
 
+def test_contention_rounds_read_the_contentions_from_the_round_of_median_speed(tmp_path, capsys):
+  """--contention_rounds: a run of the contention mode in every round (contention-r<k>); the
+  contentions come from the one of median samples/s (here round 3: round 1 is the slowest)."""
+  profile = profile_from_dict(PROFILE)
+  for k, scale in ((1, 2.0), (2, 0.8), (3, 1.0)):
+    slower = calibrate.scaled_learner(profile, scale)
+    stale = RunConfig(mode="async_stale", staleness_threshold=0.5, **GEOMETRY)
+    simulate(slower, stale, spans=True).write(tmp_path / f"contention-r{k}")
+    for mode, config in (("sync", RunConfig(mode="sync", **GEOMETRY)), ("async_stale", stale)):
+      simulate(slower, config).write(tmp_path / f"{mode}-r{k}")
+      (tmp_path / f"{mode}-r{k}" / "config.gin").write_text(
+          "x.config.RunConfig.group_size = 4\nx.config.RunConfig.max_concurrent_decodes = 32\n")
+  assert calibrate_on(tmp_path, "--warmup_samples", "0", "--repeats", "3", "--contention_mode",
+                      "async_stale", "--contention_rounds", "--contention_model", "scale",
+                      "--contention_samples", "3200") == 0
+  measured = _last_line(capsys)["once_measured"]
+  assert measured["contention_source"].startswith("contention-r3 (async_stale)")
+  assert measured["run_contention"]["learner"]["model"] == "scale"
+  with pytest.raises(SystemExit):  # the rounds need a mode to run
+    sim_calibration.main(["--reuse", "--work_dir", str(tmp_path), "--contention_rounds"])
+
+
 def test_beside_counts_only_the_batches_inside_the_overlap():
   """The learner ran 0..2 s, the rollout 0.5..4 s: only batches wholly inside 0.5..2 count."""
   times = {"learner": (0.0, 2.0, [0.5, 1.0, 1.5, 2.0]),
