@@ -149,7 +149,7 @@ def async_profile_for(profile, backend: str, ceiling: dict | None, handoff_recor
                    ceiling_learner_contention=factors.get("learner_contention"),
                    run_contention=measured, contention=measured["rollout"]["contention"],
                    learner_contention=measured["learner"]["contention"])
-    if "scale" in measured["learner"]:
+    if measured["learner"]["model"] == "scale":
       used = calibrate.scaled_learner(used, measured["learner"]["scale"])
     used = dataclasses.replace(used, contention=factors["contention"],
                                learner_contention=factors["learner_contention"])
@@ -210,7 +210,9 @@ def main(argv=None) -> int:
                            "a real run of this host")
   parser.add_argument("--contention_model", choices=calibrate.CONTENTION_MODELS, default="contention",
                       help="with --contention_mode, how the learner's slowdown is read "
-                           "(calibrate.contention_from_run): only beside a busy rollout, or one factor")
+                           "(calibrate.contention_from_run): only beside a busy rollout, one "
+                           "factor on all its work ('scale'), or the first where it fits with "
+                           "c <= 3, else the second ('auto')")
   parser.add_argument("--contention_samples", type=int, default=6400,
                       help="samples of --contention_mode's warm-up run")
   parser.add_argument("--contention_rounds", action="store_true",
