@@ -33,7 +33,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gin
-from benchmarks import sim_calibration
+from benchmarks import calibration_profile
 from jaxrl_async import config as config_lib
 from jaxrl_async.metrics import read_jsonl
 from jaxrl_async.sim import fit, simulate
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     with open(args.ceiling_from, encoding="utf-8") as f:
       ceiling, ceiling_source = json.loads(f.readline()), os.path.basename(args.ceiling_from)
   else:
-    ceiling, ceiling_source = sim_calibration.newest_ceiling()
+    ceiling, ceiling_source = calibration_profile.newest_ceiling()
   profile = fit.profile_from_run(args.sync_run, seed=args.seed,
                                  learner_fixed_fraction=(ceiling or {}).get("roles", {}).get(
                                      "learner_fixed_fraction"))
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     handoff_config = trial_config(args.handoff_run)
     with open(os.path.join(args.handoff_run, "summary.json"), encoding="utf-8") as f:
       handoff_wall_s = json.load(f)["system/wall_s"]
-  used, factors = sim_calibration.async_profile_for(
+  used, factors = calibration_profile.async_profile_for(
       profile, args.backend, ceiling, handoff_records, handoff_config, args.seed,
       handoff_wall_s=handoff_wall_s)
   runs = []

@@ -30,7 +30,10 @@ The learner's fixed share of an update (`learner_fixed_fraction`) comes from the
 `--repeats R` runs every mode R times, round by round (each round every mode once, in order):
 each measured figure is the median over the rounds (one run's samples/s moves by about 15% on a
 loaded 2-core machine, as much as the bar), and the profile is fitted on the sync round of
-median samples/s.
+median samples/s. `--paired_rounds` also predicts each round from that round's own sync run
+(and, with `--contention_rounds`, its own contention run) and gives each mode the median of
+the rounds' errors: a host that drifts between rounds then moves a prediction and the run it is
+compared with together.
 
 Prints predicted and measured samples/s, the error, idle ratios and hand-off p50s per mode.
 """
@@ -38,8 +41,6 @@ Prints predicted and measured samples/s, the error, idle ratios and hand-off p50
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import glob
 import json
 import math
 import os
@@ -50,50 +51,15 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gin
-from benchmarks import common, concurrency_ceiling
+from benchmarks import calibration_profile, common, concurrency_ceiling
 from benchmarks import modes as modes_benchmark
 from jaxrl_async import compilation_cache
 from jaxrl_async import config as config_lib
 from jaxrl_async.metrics import read_jsonl
 from jaxrl_async.sim import calibrate, fit, simulate
-from jaxrl_async.sinks import SPANS_FILE, read_spans
 from launch import train
 
 CEILING_FILE = "concurrency_ceiling.json"
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-
-
-def newest_ceiling() -> tuple[dict | None, str]:
-  """The newest concurrency_ceiling result of the default run (by its timestamp; a result
-  measured with gin bindings, e.g. the small model's, is of another run and is skipped)."""
-  best, name = None, "no concurrency_ceiling result of the default run"
-  for path in glob.glob(os.path.join(RESULTS, "concurrency_ceiling-*.json")):
-    with open(path, encoding="utf-8") as f:
-      record = json.loads(f.readline())
-    if "-small-" in os.path.basename(path) or record.get("gin_bindings"):
-      continue
-    if best is None or record["timestamp"] > best["timestamp"]:
-      best, name = record, os.path.basename(path)
-  return best, name
-
-
-def buffer_cost(backend: str) -> tuple[float, str]:
-  """Threads: 0 (the buffer is in-process, as in the sync run); processes: the newest stored
-  cross-process buffer_throughput figure (columnar transport, a step's groups in one put)
-  against the newest in-process one."""
-  if backend == "threads":
-    return 0.0, "threads: in-process buffer, as in the sync run"
-  cross, cross_name = common.newest_result("buffer_throughput-cross_process-*.json",
-                                    lambda r: "columnar_x4" in r.get("transports", {}))
-  local, local_name = common.newest_result("buffer_throughput-*", lambda r: "samples_per_s_1_producer"
-                                    in r and r.get("side", "new") == "new")
-  if cross is None or local is None:
-    return 0.0, f"not measured ({cross_name}; {local_name})"
-  cross_rate = cross["transports"]["columnar_x4"]["samples_per_s"]
-  local_rate = local["samples_per_s_1_producer"]
-  return (calibrate.buffer_s_per_sample(cross_rate, local_rate),
-          f"{cross_name}: columnar_x4 {cross_rate:.0f} samples/s; {local_name}: "
-          f"{local_rate:.0f} samples/s in-process")
 
 
 def run_dirs(work_dir: str, mode: str, repeats: int) -> list[str]:
@@ -110,6 +76,15 @@ def median_of(summaries, key: str):
   return statistics.median(values) if values else None
 
 
+def paired_errors(predicted: list[float], measured: list[float]) -> dict:
+  """Round k's prediction (from round k's own sync run) against round k's measured run: the
+  errors, their median (the paired error) and whether it is within 15%."""
+  errors = [p / m - 1 for p, m in zip(predicted, measured)]
+  median = statistics.median(errors)
+  return {"predicted_rounds": predicted, "errors": errors, "median_error": median,
+          "within_15_percent": abs(median) <= 0.15}
+
+
 def run_configs(names, bindings, task_files=()) -> dict:
   """Each mode's or recipe's RunConfig from its gin file, the task files and the bindings."""
   configs = {}
@@ -118,54 +93,6 @@ def run_configs(names, bindings, task_files=()) -> dict:
     configs[name] = gin.get_configurable(config_lib.RunConfig)()
   gin.clear_config()
   return configs
-
-
-def async_profile_for(profile, backend: str, ceiling: dict | None, handoff_records: list | None,
-                      handoff_config, seed: int, contention: float | None = None,
-                      handoff_wall_s: float = math.nan, contention_run=None) -> tuple:
-  """The sync run's profile with the three once-measured parameters (sim/calibrate.py): the
-  layout and contention from `ceiling` (or one given `contention`, no layout), the buffer's
-  cost per sample, and the hand-off latency from `handoff_records` (an async run's records,
-  simulated under `handoff_config`). `contention_run` (run directory, config, model): the
-  roles' slowdowns from that async run instead of the ceiling's (`contention_from_run`)."""
-  if contention is not None:
-    factors = {"contention": contention, "contention_source": "--contention"}
-    used = dataclasses.replace(profile, contention=contention)
-  elif backend == "processes":
-    factors = calibrate.layout_factors(ceiling)
-    used = calibrate.processes_layout(profile, factors)
-  else:
-    speedup = ceiling["roles"]["speedup"]
-    factors = {"contention": max(0.0, 2.0 / speedup - 1.0), "roles_speedup": speedup}
-    used = dataclasses.replace(profile, contention=factors["contention"])
-  per_sample, buffer_source = buffer_cost(backend)
-  used = calibrate.with_recompute(dataclasses.replace(used, buffer_s_per_sample=per_sample))
-  if contention_run is not None:
-    run_dir, run_config, model = contention_run
-    measured = calibrate.contention_from_run(
-        used, read_spans(os.path.join(run_dir, SPANS_FILE)),
-        read_jsonl(os.path.join(run_dir, "metrics.jsonl")), run_config, seed, model)
-    factors.update(ceiling_contention=factors.get("contention"),
-                   ceiling_learner_contention=factors.get("learner_contention"),
-                   run_contention=measured, contention=measured["rollout"]["contention"],
-                   learner_contention=measured["learner"]["contention"])
-    if measured["learner"]["model"] == "scale":
-      used = calibrate.scaled_learner(used, measured["learner"]["scale"])
-    used = dataclasses.replace(used, contention=factors["contention"],
-                               learner_contention=factors["learner_contention"])
-  handoff = startup = shutdown = 0.0
-  if handoff_records is not None:
-    simulated = simulate(dataclasses.replace(used, startup_s=0.0), handoff_config,
-                         seed=seed).records
-    handoff = calibrate.handoff_latency(handoff_records, simulated)
-    startup, shutdown = calibrate.run_edges(handoff_records, handoff_wall_s, simulated)
-    factors["handoff_measured_p50_s"] = calibrate.median_handoff(handoff_records)
-    factors["handoff_simulated_p50_s"] = calibrate.median_handoff(simulated)
-  factors.update(handoff_s=handoff, buffer_s_per_sample=per_sample, buffer_source=buffer_source,
-                 startup_s=startup, shutdown_s=shutdown)
-  if handoff_records is not None:
-    used = dataclasses.replace(used, startup_s=startup, shutdown_s=shutdown)
-  return dataclasses.replace(used, handoff_s=handoff), factors
 
 
 def main(argv=None) -> int:
@@ -219,6 +146,11 @@ def main(argv=None) -> int:
                       help="with --contention_mode: also run that mode at the start of every "
                            "round (contention-r<k>) and read the contentions from the round "
                            "of median samples/s, so the reading sees the host as the rounds do")
+  parser.add_argument("--paired_rounds", action="store_true",
+                      help="with --repeats >= 2: also predict every round from that round's "
+                           "own sync run (and contention run, with --contention_rounds) and "
+                           "report the median of the rounds' errors, so a host that drifts "
+                           "between rounds moves a prediction and its measurement together")
   parser.add_argument("--task_file", action="append", default=[],
                       help="gin files after each mode's (e.g. gin/tasks/rlvr.gin: the RLVR "
                            "workload); the ceiling's role loops stay the default run's")
@@ -236,6 +168,8 @@ def main(argv=None) -> int:
     raise SystemExit("--modes must include sync (its run is the profile)")
   if args.contention_mode is not None and args.contention_mode not in modes:
     parser.error(f"--contention_mode {args.contention_mode!r} is not among the runs {modes}")
+  if args.paired_rounds and args.repeats < 2:
+    parser.error(f"--paired_rounds needs --repeats >= 2, got {args.repeats}")
   if args.contention_rounds and args.contention_mode is None:
     parser.error("--contention_rounds needs --contention_mode")
   bindings = [f"RunConfig.total_samples = {args.total_samples}", f"RunConfig.seed = {args.seed}",
@@ -316,7 +250,7 @@ def main(argv=None) -> int:
     with open(ceiling_path, encoding="utf-8") as f:
       ceiling, ceiling_source = json.load(f), f"{CEILING_FILE} (measured with the runs)"
   else:
-    ceiling, ceiling_source = newest_ceiling()
+    ceiling, ceiling_source = calibration_profile.newest_ceiling()
     if ceiling is None and args.contention is None:
       raise SystemExit(f"{ceiling_source}: run with --ceiling_batches > 0")
     ceiling = ceiling or {}
@@ -324,8 +258,6 @@ def main(argv=None) -> int:
   if fixed_fraction is None:
     fixed_fraction = ceiling.get("roles", {}).get("learner_fixed_fraction")
     fixed_source = f"{ceiling_source}: roles" if fixed_fraction is not None else "not measured"
-  profile = fit.profile_from_run(sync_dir, seed=args.seed,
-                                 learner_fixed_fraction=fixed_fraction)
   handoff_path = os.path.join(args.work_dir, f"warmup-{args.handoff_mode}", "metrics.jsonl")
   handoff_records = read_jsonl(handoff_path) if os.path.isfile(handoff_path) else None
   handoff_wall_s = math.nan
@@ -338,30 +270,50 @@ def main(argv=None) -> int:
     handoff_config = run_configs([args.handoff_mode], [
         *bindings, f"RunConfig.total_samples = {args.warmup_samples}"],
         args.task_file)[args.handoff_mode]
-  contention_run = None
+  contention_config = None
   if args.contention_mode is not None:
-    contention_dir = (common.median_run([os.path.join(args.work_dir, f"contention-r{k}")
-                                  for k in range(1, args.repeats + 1)])
-                      if args.contention_rounds
-                      else os.path.join(args.work_dir, f"warmup-{args.contention_mode}"))
-    contention_run = (contention_dir, run_configs(
-        [args.contention_mode], [*bindings, "RunConfig.total_samples = "
-                                 f"{args.contention_samples}"], args.task_file)[
-        args.contention_mode], args.contention_model)
-  async_profile, factors = async_profile_for(profile, args.backend, ceiling, handoff_records,
-                                             handoff_config, args.seed, args.contention,
-                                             handoff_wall_s, contention_run)
-  if args.contention_mode is not None:
-    factors["contention_source"] = (f"{os.path.basename(contention_dir)} "
-                                    f"({args.contention_mode}) run's spans, "
-                                    f"{args.contention_model} model")
-  factors["handoff_source"] = (f"warmup-{args.handoff_mode} run's records"
-                               if handoff_records is not None else "no run: 0")
+    contention_config = run_configs([args.contention_mode], [
+        *bindings, f"RunConfig.total_samples = {args.contention_samples}"],
+        args.task_file)[args.contention_mode]
   configs = run_configs(modes, bindings, args.task_file)
+
+  def predict(sync_run: str, contention_dir: str | None):
+    """The profile fitted on `sync_run`, its async profile (the contentions from
+    `contention_dir`'s spans with --contention_mode), and each mode's simulated summary."""
+    profile = fit.profile_from_run(sync_run, seed=args.seed,
+                                   learner_fixed_fraction=fixed_fraction)
+    contention_run = (None if contention_dir is None else
+                      (contention_dir, contention_config, args.contention_model))
+    async_profile, factors = calibration_profile.async_profile_for(
+        profile, args.backend, ceiling, handoff_records, handoff_config, args.seed,
+        args.contention, handoff_wall_s, contention_run)
+    if contention_dir is not None:
+      factors["contention_source"] = (f"{os.path.basename(contention_dir)} "
+                                      f"({args.contention_mode}) run's spans, "
+                                      f"{args.contention_model} model")
+    factors["handoff_source"] = (f"warmup-{args.handoff_mode} run's records"
+                                 if handoff_records is not None else "no run: 0")
+    summaries = {mode: simulate(profile if mode == "sync" else async_profile, configs[mode],
+                                seed=args.seed).summary for mode in modes}
+    return profile, async_profile, factors, summaries
+
+  contention_dirs = [None] * args.repeats
+  if args.contention_mode is not None:
+    contention_dirs = ([os.path.join(args.work_dir, f"contention-r{k}")
+                        for k in range(1, args.repeats + 1)] if args.contention_rounds
+                       else [os.path.join(args.work_dir, f"warmup-{args.contention_mode}")]
+                       * args.repeats)
+  contention_dir = (common.median_run(contention_dirs) if args.contention_rounds
+                    else contention_dirs[0])
+  profile, async_profile, factors, summaries = predict(sync_dir, contention_dir)
+  paired = None
+  if args.paired_rounds:  # each round predicted from its own sync run (and contention run)
+    print("predicting each round from its own sync run ...", file=sys.stderr, flush=True)
+    paired = [predict(sync_run, contention_run)[3] for sync_run, contention_run in
+              zip(run_dirs(args.work_dir, "sync", args.repeats), contention_dirs)]
   table = {}
   for mode in modes:
-    used = profile if mode == "sync" else async_profile
-    summary = simulate(used, configs[mode], seed=args.seed).summary
+    summary = summaries[mode]
     predicted = summary["system/samples_per_s"]
     name = mode.removeprefix("recipes/")
     table[name] = {"measured_samples_per_s": measured[mode],
@@ -380,6 +332,9 @@ def main(argv=None) -> int:
                    "predicted_handoff_p50_s": summary.get("handoff/publish_to_enqueue_s_p50"),
                    "predicted_stale_ratio": summary["algo/stale_ratio"],
                    "predicted_version_gap_max": summary["algo/version_gap_max"]}
+    if paired is not None:
+      table[name]["paired"] = paired_errors(
+          [row[mode]["system/samples_per_s"] for row in paired], rounds[mode])
   line = {"benchmark": "sim_calibration", "backend": args.backend, "task_files": args.task_file,
           "total_samples": args.total_samples, "repeats": args.repeats,
           "profile_run": os.path.basename(sync_dir),
@@ -390,6 +345,9 @@ def main(argv=None) -> int:
           "learner_fixed_fraction_source": fixed_source,
           "profile": profile.brief_dict(), "async_profile": async_profile.brief_dict(),
           "modes": table}
+  if paired is not None:
+    line["paired_within_15_percent"] = all(row["paired"]["within_15_percent"]
+                                           for row in table.values())
   return common.emit_result(line, args.out)
 
 

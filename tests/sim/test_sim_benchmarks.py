@@ -67,13 +67,13 @@ def test_sim_calibration_on_run_directories(tmp_path, capsys):
   assert table["async_stale"]["measured_samples_per_s"] > 0
 
 
-def test_sim_calibration_takes_the_median_of_its_rounds(tmp_path, capsys):
-  """--repeats 3: each mode's figure is the median of its rounds' directories, and the profile
-  is fitted on the sync round of median samples/s (here the rounds differ in their speed)."""
+def write_rounds(tmp_path, scales) -> dict:
+  """sync and async_stale run directories of rounds 1, 2, ... whose rollout is slower by each
+  round's scale (a host drifting between rounds); returns each run's samples/s."""
   profile = profile_from_dict(PROFILE)
   speeds = {}
   for mode, extra in (("sync", {}), ("async_stale", {"staleness_threshold": 0.5})):
-    for k, scale in ((1, 1.0), (2, 2.0), (3, 0.8)):  # round 2 twice as slow, round 3 faster
+    for k, scale in enumerate(scales, start=1):
       slower = dataclasses.replace(profile, rollout=dataclasses.replace(
           profile.rollout, decode_curve=tuple((slots, seconds * scale)
                                               for slots, seconds in profile.rollout.decode_curve)))
@@ -82,6 +82,13 @@ def test_sim_calibration_takes_the_median_of_its_rounds(tmp_path, capsys):
       speeds[(mode, k)] = run.summary["system/samples_per_s"]
       (tmp_path / f"{mode}-r{k}" / "config.gin").write_text(
           "x.config.RunConfig.group_size = 4\nx.config.RunConfig.max_concurrent_decodes = 32\n")
+  return speeds
+
+
+def test_sim_calibration_takes_the_median_of_its_rounds(tmp_path, capsys):
+  """--repeats 3: each mode's figure is the median of its rounds' directories, and the profile
+  is fitted on the sync round of median samples/s (here the rounds differ in their speed)."""
+  speeds = write_rounds(tmp_path, (1.0, 2.0, 0.8))  # round 2 twice as slow, round 3 faster
   assert calibrate_on(tmp_path, "--warmup_samples", "0", "--repeats", "3") == 0
   line = _last_line(capsys)
   assert line["repeats"] == 3 and line["profile_run"] == "sync-r1"  # 1.0x: the median round
@@ -92,6 +99,34 @@ def test_sim_calibration_takes_the_median_of_its_rounds(tmp_path, capsys):
   assert abs(line["modes"]["sync"]["error"]) < 0.05  # fitted on the median round itself
   with pytest.raises(SystemExit):
     sim_calibration.main(["--reuse", "--work_dir", str(tmp_path), "--repeats", "0"])
+
+
+def test_paired_rounds_predict_each_round_from_its_own_sync_run(tmp_path, capsys):
+  """--paired_rounds: round k's sync run gives round k's prediction, so each round's error is
+  small though the rounds' speeds differ 2.5x; the median-round fit is reported beside it."""
+  speeds = write_rounds(tmp_path, (1.0, 2.0, 0.8))
+  assert calibrate_on(tmp_path, "--warmup_samples", "0", "--repeats", "3",
+                      "--paired_rounds") == 0
+  line = _last_line(capsys)
+  assert line["paired_within_15_percent"] is True
+  for mode in ("sync", "async_stale"):
+    paired = line["modes"][mode]["paired"]
+    measured = [speeds[(mode, k)] for k in (1, 2, 3)]
+    assert paired["errors"] == pytest.approx(
+        [p / m - 1 for p, m in zip(paired["predicted_rounds"], measured)])
+    assert max(map(abs, paired["errors"])) < 0.1
+    assert paired["median_error"] == sorted(paired["errors"])[1]
+  predicted = line["modes"]["async_stale"]["paired"]["predicted_rounds"]
+  assert predicted[1] < 0.7 * predicted[0] and predicted[2] > predicted[0]  # the rounds' hosts
+  with pytest.raises(SystemExit):  # one round has nothing to pair
+    sim_calibration.main(["--reuse", "--work_dir", str(tmp_path), "--paired_rounds"])
+
+
+def test_paired_errors_take_the_median_of_the_rounds():
+  row = sim_calibration.paired_errors([110.0, 80.0, 130.0], [100.0, 100.0, 100.0])
+  assert row["errors"] == pytest.approx([0.1, -0.2, 0.3])
+  assert row["median_error"] == pytest.approx(0.1) and row["within_15_percent"]
+  assert not sim_calibration.paired_errors([120.0, 120.0], [100.0, 100.0])["within_15_percent"]
 
 
 def test_contention_rounds_read_the_contentions_from_the_round_of_median_speed(tmp_path, capsys):
