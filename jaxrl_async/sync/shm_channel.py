@@ -16,12 +16,6 @@ mean a reader only retries when two versions are published during one copy. One 
 learner) per segment. The ordering relies on the host's stores being seen in program order
 (x86-64 and the numpy stores used here; a weaker memory model would need fences).
 
-A version moves as one block of bytes each way: the publisher packs every leaf into the slot's
-byte image in one compiled call (`pack`) and copies it out of the device once; a reader copies
-the slot once, places it on its device once and cuts the leaves out in one compiled call
-(`unpack`). Leaf by leaf, each of the tiny model's 21 leaves cost one transfer call in both
-processes (about 0.9 ms to place a version on the CPU device, 0.35 ms to copy one out).
-
 A reader waiting for a version sleeps on the wake word (a futex, `sync/futex.py`): `publish`
 changes it and wakes every waiting process at once, so a new version reaches an idle rollout
 server within microseconds instead of half a polling interval. Each sleep lasts at most
@@ -36,7 +30,6 @@ import time
 from multiprocessing import shared_memory
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_async import sharding
@@ -73,49 +66,6 @@ def _layout(abstract_params) -> tuple[list[tuple[int, tuple, np.dtype]], int]:
   return layout, max(offset, ALIGN)
 
 
-def _as_bytes(leaf):
-  """A leaf's bytes as a flat uint8 array (a bool leaf as one byte each)."""
-  if leaf.dtype == jnp.bool_:
-    return leaf.astype(jnp.uint8).reshape(-1)
-  return jax.lax.bitcast_convert_type(leaf, jnp.uint8).reshape(-1)  # [..., itemsize] flattened
-
-
-def _from_bytes(raw, shape: tuple, dtype: np.dtype):
-  """The inverse of `_as_bytes` for one leaf."""
-  if dtype == np.bool_:
-    return raw.astype(jnp.bool_).reshape(shape)
-  if dtype.itemsize == 1:
-    return jax.lax.bitcast_convert_type(raw, dtype).reshape(shape)
-  return jax.lax.bitcast_convert_type(raw.reshape(-1, dtype.itemsize), dtype).reshape(shape)
-
-
-def pack_fn(layout: list[tuple[int, tuple, np.dtype]], slot_bytes: int):
-  """A compiled function: the leaves (in `layout`'s order) -> the slot's byte image, each leaf
-  at its offset, zero padding between."""
-  def pack(leaves):
-    parts, end = [], 0
-    for (offset, _, _), leaf in zip(layout, leaves):
-      if offset > end:
-        parts.append(jnp.zeros((offset - end,), jnp.uint8))
-      parts.append(_as_bytes(leaf))
-      end = offset + parts[-1].size
-    if slot_bytes > end:
-      parts.append(jnp.zeros((slot_bytes - end,), jnp.uint8))
-    return jnp.concatenate(parts)
-  return jax.jit(pack)
-
-
-def unpack_fn(layout: list[tuple[int, tuple, np.dtype]], treedef):
-  """A compiled function: a slot's byte image -> the params (the inverse of `pack_fn`)."""
-  def unpack(raw):
-    leaves = []
-    for offset, shape, dtype in layout:
-      size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-      leaves.append(_from_bytes(raw[offset:offset + size], shape, dtype))
-    return jax.tree.unflatten(treedef, leaves)
-  return jax.jit(unpack)
-
-
 class SharedMemoryWeightChannel(WeightChannel):
   """`publish` in the creating process, `fetch` / `wait_for_version` in any process."""
 
@@ -139,8 +89,6 @@ class SharedMemoryWeightChannel(WeightChannel):
     self._header = np.ndarray((5,), np.int64, buffer=segment.buf, offset=0)
     self._wake_word = futex.word(segment.buf, _WAKE_WORD_OFFSET)
     self._fetched: tuple[int, object] | None = None
-    self._pack = pack_fn(self._leaves, self.slot_bytes)
-    self._unpack = unpack_fn(self._leaves, self._treedef)
     self.retries = 0  # copies thrown away because a publish overlapped them
 
   @classmethod
@@ -163,9 +111,10 @@ class SharedMemoryWeightChannel(WeightChannel):
                        f"{HEADER_BYTES + 2 * slot_bytes} these params need")
     return cls(segment, abstract_params, owner=False, **kwargs)
 
-  def _slot_bytes(self, slot: int) -> np.ndarray:
-    return np.ndarray((self.slot_bytes,), np.uint8, buffer=self._segment.buf,
-                      offset=HEADER_BYTES + slot * self.slot_bytes)
+  def _views(self, slot: int) -> list[np.ndarray]:
+    base = HEADER_BYTES + slot * self.slot_bytes
+    return [np.ndarray(shape, dtype, buffer=self._segment.buf, offset=base + offset)
+            for offset, shape, dtype in self._leaves]
 
   # ---- writer ---------------------------------------------------------------------------------
   def publish(self, version: int, params) -> None:
@@ -176,18 +125,18 @@ class SharedMemoryWeightChannel(WeightChannel):
       self._check_newer(version, self._version)
     if jax.tree.structure(params) != self._treedef:
       raise ValueError("publish: params do not have the channel's tree structure")
-    leaves = jax.tree.leaves(params)
-    for leaf, (_, shape, dtype) in zip(leaves, self._leaves):
-      if tuple(np.shape(leaf)) != shape or np.dtype(leaf.dtype) != dtype:
-        raise ValueError(f"publish: a leaf of shape {tuple(np.shape(leaf))} {leaf.dtype} where "
-                         f"the channel holds {shape} {dtype}")
     began = time.perf_counter()
-    image = np.asarray(jax.device_get(self._pack(leaves)))  # the slot's bytes, one copy out
     latest = int(self._header[_LATEST])
     slot = 0 if latest < 0 else 1 - latest
     header = self._header
     header[_seq_index(slot)] += 1  # odd: being written
-    np.copyto(self._slot_bytes(slot), image)
+    for view, leaf in zip(self._views(slot), jax.tree.leaves(params)):
+      host = np.asarray(jax.device_get(leaf))
+      if host.shape != view.shape or host.dtype != view.dtype:
+        header[_seq_index(slot)] += 1
+        raise ValueError(f"publish: a leaf of shape {host.shape} {host.dtype} where the channel "
+                         f"holds {view.shape} {view.dtype}")
+      np.copyto(view, host)
     header[_version_index(slot)] = version
     header[_seq_index(slot)] += 1  # even: complete
     header[_LATEST] = slot
@@ -214,8 +163,8 @@ class SharedMemoryWeightChannel(WeightChannel):
         return latest
       futex.wait(self._wake_word, seen, min(self.recheck_s, remaining))
 
-  def read_image(self) -> tuple[int, np.ndarray]:
-    """(version, a private copy of its slot's bytes) of the latest complete version."""
+  def read_host(self) -> tuple[int, object]:
+    """(version, params as numpy arrays) of the latest complete version."""
     header = self._header
     for _ in range(FETCH_RETRIES):
       slot = int(header[_LATEST])
@@ -224,32 +173,24 @@ class SharedMemoryWeightChannel(WeightChannel):
       before = int(header[_seq_index(slot)])
       if before % 2 == 0:
         version = int(header[_version_index(slot)])
-        image = np.array(self._slot_bytes(slot), copy=True)
+        leaves = [np.array(view, copy=True) for view in self._views(slot)]
         if int(header[_seq_index(slot)]) == before:
-          return version, image
+          return version, jax.tree.unflatten(self._treedef, leaves)
       self.retries += 1
     raise RuntimeError(f"shared memory {self.name!r}: no consistent copy in "
                        f"{FETCH_RETRIES} tries (a writer publishing without pause?)")
-
-  def read_host(self) -> tuple[int, object]:
-    """(version, params as numpy arrays) of the latest complete version."""
-    version, image = self.read_image()
-    return version, jax.tree.unflatten(self._treedef, [
-        np.ndarray(shape, dtype, buffer=image, offset=offset)
-        for offset, shape, dtype in self._leaves])
 
   def fetch(self):
     """(version, params on this process's devices, with the rollout shardings if set)."""
     latest = self.latest_version()
     if self._fetched is not None and self._fetched[0] == latest:
       return self._fetched
+    version, host = self.read_host()
     if self.rollout_mesh is not None:
-      version, host = self.read_host()
       target = sharding.param_shardings(self.logical_axes, host, self.rollout_mesh)
       params = jax.device_put(host, target)
-    else:  # one transfer of the image, the leaves cut out on the device
-      version, image = self.read_image()
-      params = self._unpack(image)
+    else:
+      params = jax.device_put(host)
     self._fetched = (version, params)
     return self._fetched
 
