@@ -19,6 +19,7 @@ checkpoint can capture the buffer and the prompts in flight consistently.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from jaxrl_async.buffer import BufferClosed, BufferTimeout, VersionedBuffer
@@ -70,7 +71,8 @@ class Rollouter(RoleThread):
     self._paused = False
     self._rewarding = 0  # samples in the reward pool
     self._rewarding_cv = threading.Condition(self._lock)
-    self.counts = {"interrupted": 0, "swaps": 0, "shutdown": 0, "groups_started": 0}
+    self.counts = {"interrupted": 0, "swaps": 0, "shutdown": 0, "groups_started": 0,
+                   "swap_fetch_s": 0.0, "swap_load_s": 0.0}
     self._draining = False
     self._drop_log: list[tuple[str, list[tuple[int, int]]]] = []  # for the run's ledger
 
@@ -158,16 +160,20 @@ class Rollouter(RoleThread):
     if decision == DRAIN:
       self._draining = True  # finish in-flight samples on the old weights first
       return False
+    began = time.perf_counter()
     version, params = self.channel.fetch()
     if version <= self.batcher.version:  # the load failed (counted by the channel): go on
       self._draining = False
       return False
+    fetched = time.perf_counter()
     with self.timer.busy("rollout"):
       interrupted = self.batcher.set_params(
           params, version,
           partial_strategy=resume_strategy(self.partial_rollout, self.partial_strategy))
     self.counts["interrupted"] += interrupted
     self.counts["swaps"] += 1
+    self.counts["swap_fetch_s"] += fetched - began  # the channel's copy onto this side
+    self.counts["swap_load_s"] += time.perf_counter() - fetched  # load, resume in-flight samples
     self._draining = False
     self._hold_version(version)
     return True

@@ -12,6 +12,7 @@ role's error (`RoleFailed`), and Ctrl-C stops it within seconds and leaves a che
 from __future__ import annotations
 
 import json
+import math
 import os
 
 from jaxrl_async.backends import fleet_shape
@@ -63,8 +64,15 @@ class ShardPrompts:
 
 
 def fleet_figures(fleet) -> dict:
-  """The rollout side's figures: counts, busy time, reward outcomes and re-issues."""
-  return {**fleet.rollout_counts(), **fleet.server_timers(), **fleet.reward_counts(),
+  """The rollout side's figures: counts, busy time, reward outcomes and re-issues, and the
+  weight swaps' mean fetch and load seconds."""
+  counts = fleet.rollout_counts()
+  swaps = counts.get("rollout/swaps", 0)
+  for stage in ("fetch", "load"):
+    total = counts.get(f"rollout/swap_{stage}_s")
+    if total is not None:
+      counts[f"rollout/swap_{stage}_s_mean"] = total / swaps if swaps else math.nan
+  return {**counts, **fleet.server_timers(), **fleet.reward_counts(),
           **fleet.sync_figures(), "fleet/size": fleet.num_servers, **fleet.counts}
 
 

@@ -216,6 +216,11 @@ def test_the_default_task_trains_with_rollout_servers_as_processes(tmp_path, ver
   assert summary["backend"] == "processes"
   assert summary["policy_version"] == config.num_versions
   assert summary["eval/accuracy"] >= accuracy  # from 0.5 (the base policy)
+  # each swap's stages in the server's process, summed and per swap
+  assert summary["rollout/swaps"] >= config.num_versions - 1
+  for stage in ("fetch", "load"):
+    total, mean = summary[f"rollout/swap_{stage}_s"], summary[f"rollout/swap_{stage}_s_mean"]
+    assert mean == pytest.approx(total / summary["rollout/swaps"]) and 0 < mean < 1.0
   records = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "algo/version_gap_max" in r]
   assert max(r["algo/version_gap_max"] for r in records) <= config.max_version_gap
   dropped = sum(v for k, v in summary.items() if k.startswith("queue/dropped/"))

@@ -129,6 +129,8 @@ def test_on_policy_admission_waits_for_the_next_version(make_harness, model):
   assert rollouter.error is None
   assert rollouter.counts["groups_started"] == 2 * GROUPS_PER_VERSION
   assert rollouter.counts["swaps"] == 1
+  # the swap's stages, timed: the channel's fetch and the load (nothing in flight to resume)
+  assert 0 < rollouter.counts["swap_fetch_s"] < 5 and 0 < rollouter.counts["swap_load_s"] < 5
   assert buffer.rollout_version == 1
   groups = buffer.get_groups(GROUPS_PER_VERSION, 1, timeout=5.0)
   assert all(set(s.token_versions.tolist()) == {1} for g in groups for s in g)
