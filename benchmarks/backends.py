@@ -38,7 +38,8 @@ from jaxrl_async import compilation_cache
 BACKENDS = ("threads", "processes", "ray")
 HANDOFF_KEYS = ("handoff/publish_to_work_s_p50", "handoff/publish_to_work_s_p99",
                 "handoff/publish_to_take_s_p50", "handoff/publish_to_take_s_p99",
-                "handoff/publish_to_enqueue_s_p50", "handoff/publish_to_enqueue_s_p99")
+                "handoff/publish_to_enqueue_s_p50", "handoff/publish_to_enqueue_s_p99",
+                "rollout/swap_fetch_s_mean", "rollout/swap_load_s_mean")
 
 
 class CpuMeter:

@@ -111,7 +111,8 @@ def mode_rows(results: dict) -> dict:
             "lengths/consumed_p90", "lengths/consumed_over_generated_mean")},
         **{key.replace("/", "_"): summary.get(key) for key in (
             "handoff/publish_to_work_s_p50", "handoff/publish_to_work_s_p99",
-            "handoff/publish_to_take_s_p50", "handoff/publish_to_take_s_p99")},
+            "handoff/publish_to_take_s_p50", "handoff/publish_to_take_s_p99",
+            "rollout/swap_fetch_s_mean", "rollout/swap_load_s_mean")},
     }
     if base is not None:
       target = base["summary"]["eval/accuracy"]
