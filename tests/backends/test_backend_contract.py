@@ -179,10 +179,12 @@ def test_async_partial_resumes_interrupted_samples(backend, tmp_path, strategy):
   assert all(r["algo/version_gap_max"] <= 2 for r in records), [
       r["algo/version_gap_max"] for r in records]
   # Interruptions depend on where the syncs fall: on threads the roles share the cores and
-  # some always land mid-generation; elsewhere, when there were some, they show in the records.
+  # some always land mid-generation; elsewhere, when more than one swap's worth (the 4 slots)
+  # were interrupted, at least one swap came before the last, and its samples show in the
+  # records (the last swap's resumed samples may belong to no update of the run).
   if backend == "threads":
     assert summary["rollout/interrupted"] > 0
-  if summary["rollout/interrupted"] > 0:
+  if backend == "threads" or summary["rollout/interrupted"] > config.max_concurrent_decodes:
     assert any(r["algo/partial_ratio"] > 0 for r in records)
     assert max(r["algo/max_partial_span"] for r in records) >= 1
 
