@@ -26,7 +26,11 @@ the workload's own bound instead (`workload_bound.bound`: rollout at full slots,
 verifier's concurrency, learner on recorded batches, each alone, laid out as `--backend` lays
 out a run; `--bound_run` names the run whose settings it measures, by default the first async
 one): `ceiling.speedup` is sync's seconds per sample over the bound, and a run's
-`fraction_of_ceiling` its samples/s times the bound.
+`fraction_of_ceiling` its samples/s times the bound. `--together_s S` (default 5; 0 skips it)
+also measures every role at once, none waiting, in three windows of S seconds
+(`workload_together`: what the roles make side by side on these cores, `ceiling.together`), and
+gives each run's samples/s as a fraction of it (`fraction_of_together`): the share of the
+roles' side-by-side rate that the run's schedule turned into samples.
 
 Compilation is kept out of the comparison: XLA's persistent compilation cache is on
 (`jaxrl_async.compilation_cache`), and every mode first runs `--warmup_samples` samples
@@ -49,7 +53,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gin
-from benchmarks import concurrency_ceiling, workload_bound
+from benchmarks import concurrency_ceiling, workload_bound, workload_together
 from jaxrl_async import compilation_cache, report
 from jaxrl_async import config as config_lib
 from jaxrl_async.metrics import read_jsonl
@@ -207,6 +211,9 @@ def main(argv=None) -> int:
                            "settings the bound measures (default: the first async run)")
   parser.add_argument("--bound_samples", type=int, default=2048,
                       help="with --task_file: samples generated and scored for the bound")
+  parser.add_argument("--together_s", type=float, default=5.0,
+                      help="with --task_file: also every role at once, in 3 windows of this "
+                           "many seconds (benchmarks/workload_together.py; 0 skips it)")
   parser.add_argument("--out", default=os.path.join(
       "benchmarks", "results", f"modes-{time.strftime('%Y%m%d-%H%M%S')}"))
   args = parser.parse_args(argv)
@@ -238,6 +245,8 @@ def main(argv=None) -> int:
       parser.error(f"--task_file: no file {path}")
   if args.bound_samples < 1:
     parser.error(f"--bound_samples must be >= 1, got {args.bound_samples}")
+  if args.together_s < 0:
+    parser.error(f"--together_s must be >= 0, got {args.together_s}")
   if args.bound_run is not None and args.bound_run not in runs:
     parser.error(f"--bound_run {args.bound_run!r} is none of the runs {sorted(runs)}")
   compilation_cache.enable()
@@ -264,10 +273,25 @@ def measure_bound(args, runs: dict, bindings: list[str], table: dict) -> dict:
   mode, extra = runs[name]
   ceiling = workload_bound.bound(args.backend, [gin_file(mode), *args.task_file],
                                  [*bindings, *extra], samples=args.bound_samples,
-                                 updates=args.ceiling_batches)
+                                 updates=args.ceiling_batches, together_s=args.together_s)
   sync = table.get("sync")
   return {**ceiling, "run": name, "speedup": None if sync is None else
           workload_bound.ceiling_speedup(sync["samples_per_s"], ceiling["bound_s_per_sample"])}
+
+
+def add_fractions(table: dict, ceiling: dict) -> None:
+  """Each row's `fraction_of_ceiling` (of the workload's bound, or of the core-overlap
+  speedup for a row with a sync run to compare with) and, with the roles measured together,
+  its `fraction_of_together`."""
+  for row in table.values():
+    if ceiling["kind"] == "workload_bound":
+      row["fraction_of_ceiling"] = workload_bound.fraction_of_ceiling(
+          row["samples_per_s"], ceiling["bound_s_per_sample"])
+      if "together" in ceiling:
+        row["fraction_of_together"] = workload_together.fraction_of_together(
+            row["samples_per_s"], ceiling["together"]["together_s_per_sample"])
+    elif row.get("samples_per_s_vs_sync") is not None:
+      row["fraction_of_ceiling"] = row["samples_per_s_vs_sync"] / ceiling["speedup"]
 
 
 def measure(args, runs: dict, bindings: list[str]) -> int:
@@ -300,12 +324,7 @@ def measure(args, runs: dict, bindings: list[str]) -> int:
     ceiling = (measure_bound(args, runs, bindings, table) if args.task_file else
                concurrency_ceiling.ceiling(args.backend, args.ceiling_batches, args.gin_bindings,
                                            args.ceiling_data_batches))
-    for row in table.values():
-      if ceiling["kind"] == "workload_bound":
-        row["fraction_of_ceiling"] = workload_bound.fraction_of_ceiling(
-            row["samples_per_s"], ceiling["bound_s_per_sample"])
-      elif row.get("samples_per_s_vs_sync") is not None:
-        row["fraction_of_ceiling"] = row["samples_per_s_vs_sync"] / ceiling["speedup"]
+    add_fractions(table, ceiling)
   line = {"benchmark": "modes", "backend": args.backend, "task_files": args.task_file,
           "load_average": {"start": load_start, "end": os.getloadavg()},
           "total_samples": args.total_samples, "seed": args.seed,

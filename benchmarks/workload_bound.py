@@ -49,6 +49,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import learner_alone
 from benchmarks.common import emit_json_line
 
 ROLES = ("rollout", "reward", "learner")
@@ -120,17 +121,11 @@ def _base_params(config, spec):
                             log=lambda *a: None)
 
 
-def measure_rollout_and_reward(config, samples: int, repeats: int = 3, *, score: bool = True,
-                               barrier=None) -> dict:
-  """In the process that generates: `samples` samples at full slots, timed; then those samples
-  scored by a reward pool with max(reward_workers, verifier slots) callers, timed; each
-  `repeats` times, the fastest pass kept (a role that never waits runs at its fastest).
-  `score=False` only generates; `barrier` (shared with the other servers' children) is waited
-  on before the rollout's passes and before the reward's, so the servers generate together and
-  the reward is timed with no generation running.
-  -> {'rollout': {...}, 'reward': {...} (with `score`), 'samples': the scored samples}."""
+def rollout_at_full_slots(config):
+  """(rollout side, its batcher on the base policy, `requests(count)`, reward callers): the
+  run's rollout side with max(reward_workers, verifier slots) reward callers, its prefill and
+  decode compiled on one batch of requests before any clock starts."""
   from jaxrl_async.run import build as build_lib
-  slots = config.max_concurrent_decodes
   verifier = getattr(config.task, "verifier", None)
   callers = max(config.reward_workers, getattr(verifier, "concurrency", 0))
   config = dataclasses.replace(config, reward_workers=callers)
@@ -145,7 +140,21 @@ def measure_rollout_and_reward(config, samples: int, repeats: int = 3, *, score:
       out += side.make_requests(next(side.prompts), next(groups), None)
     return out
 
-  batcher.run_to_completion(requests(slots))  # compiled (prefill and decode) before the clock
+  batcher.run_to_completion(requests(config.max_concurrent_decodes))
+  return side, batcher, requests, callers
+
+
+def measure_rollout_and_reward(config, samples: int, repeats: int = 3, *, score: bool = True,
+                               barrier=None) -> dict:
+  """In the process that generates: `samples` samples at full slots, timed; then those samples
+  scored by a reward pool with max(reward_workers, verifier slots) callers, timed; each
+  `repeats` times, the fastest pass kept (a role that never waits runs at its fastest).
+  `score=False` only generates; `barrier` (shared with the other servers' children) is waited
+  on before the rollout's passes and before the reward's, so the servers generate together and
+  the reward is timed with no generation running.
+  -> {'rollout': {...}, 'reward': {...} (with `score`), 'samples': the scored samples}."""
+  side, batcher, requests, callers = rollout_at_full_slots(config)
+  slots = config.max_concurrent_decodes
   max_steps = (samples + slots) * (side.task.max_response_len + 1)  # every sample is capped
   if barrier is not None:
     barrier.wait()
@@ -233,76 +242,6 @@ def rollout_child(config, samples: int, repeats: int, result_path: str, score: b
     pickle.dump(result, f)
 
 
-def measure_learner(config, scored, updates: int, repeats: int = 3) -> dict:
-  """`updates` learner updates on the recorded samples' whole groups, `groups_per_update` to a
-  batch, cycling through the batches; a window of `trigger_parameter_sync_step` updates takes
-  its anchors as the run's learner does (`build.learner_update`). Every batch's shape is
-  compiled first; the fastest of `repeats` passes is kept."""
-  import jax
-
-  from jaxrl_async import sharding
-  from jaxrl_async.run import build as build_lib
-  spec = build_lib.model_spec(config)
-  mesh = sharding.place_roles(config.learner_mesh).learner
-  learner = build_lib.build_learner_side(config, spec, mesh, log=lambda *a: None)
-  groups = build_lib.assemble_groups(config, scored)
-  per = config.groups_per_update
-  batches = [groups[i:i + per] for i in range(0, len(groups) - per + 1, per)]
-  if not batches:
-    raise ValueError(f"{len(scored)} samples make {len(groups)} whole groups, fewer than one "
-                     f"update's {per}: measure more samples")
-  trigger = config.trigger_parameter_sync_step
-  state = [learner.initial_state]
-  window = [None]
-
-  def update(i: int) -> int:
-    local = i % trigger
-    if local == 0:
-      window[0] = build_lib.copy_params(state[0].params) if trigger > 1 else None
-    batch = batches[i % len(batches)]
-    state[0], metrics = build_lib.learner_update(learner, state[0], batch, window[0], 0, local)
-    jax.device_get(metrics)
-    return sum(len(group) for group in batch)
-
-  for i in range(max(len(batches), trigger) * min(trigger, 2)):  # every shape, both anchors
-    update(i)
-  passes = []
-  for _ in range(repeats):
-    began = time.perf_counter()
-    consumed = sum(update(i) for i in range(updates))
-    passes.append(time.perf_counter() - began)
-  learner_s = min(passes)
-  return {"updates": updates, "samples": consumed, "s": learner_s, "batches": len(batches),
-          "s_per_sample": learner_s / consumed, "passes_s": passes}
-
-
-def learner_child(config, scored, updates: int, repeats: int, result_path: str) -> None:
-  """In a spawned child pinned to one core with one XLA thread: `measure_learner`, its result
-  pickled to `result_path` (the learner's core-seconds per sample: its work)."""
-  from jaxrl_async import compilation_cache
-  compilation_cache.enable()
-  result = measure_learner(config, scored, updates, repeats)
-  with open(result_path, "wb") as f:
-    pickle.dump(result, f)
-
-
-def measure_learner_on_one_core(config, scored, updates: int, repeats: int) -> dict:
-  """`measure_learner` in a child on one core (`learner_child`)."""
-  from jaxrl_async.backends.processes import child
-  core = [sorted(os.sched_getaffinity(0))[0]]
-  with tempfile.TemporaryDirectory() as root:
-    path = os.path.join(root, "learner.pkl")
-    process = child.spawn("benchmarks.workload_bound:learner_child",
-                          (config, scored, updates, repeats, path), name="bound-learner-1core",
-                          cores=core, env=child.child_env(core))
-    process.join(1800)
-    code = child.reap(process)
-    if code != 0:
-      raise RuntimeError(f"the one-core learner measurement's child failed (exit code {code})")
-    with open(path, "rb") as f:
-      return pickle.load(f)
-
-
 def _rollout_in_children(config, samples: int, repeats: int) -> dict:
   """`measure_rollout_and_reward` in one spawned child per rollout server, each on the server's
   cores (`child.core_shares`), generating at once (`samples` samples each): the rollout's rate
@@ -340,10 +279,13 @@ def _rollout_in_children(config, samples: int, repeats: int) -> dict:
 
 
 def bound(backend: str, gin_files, bindings=(), *, samples: int = 2048,
-          updates: int = 100, repeats: int = 3) -> dict:
+          updates: int = 100, repeats: int = 3, together_s: float = 0.0) -> dict:
   """Each role of the run `gin_files` + `bindings` describes, alone, laid out as `backend`
   ('threads': one process; 'processes' or 'ray': generation and reward in a child on the
-  rollout server's cores), and the bound they imply (`bound_figures`)."""
+  rollout server's cores), and the bound they imply (`bound_figures`); with `together_s`,
+  also every role at once in `repeats` windows of that many seconds (`together`,
+  `workload_together.measure_together`)."""
+  from benchmarks import workload_together
   from jaxrl_async import compilation_cache
   from jaxrl_async.run.services import task_services
   if backend not in ("threads", "processes", "ray"):
@@ -361,15 +303,18 @@ def bound(backend: str, gin_files, bindings=(), *, samples: int = 2048,
     else:
       measured = _rollout_in_children(run_config, samples, repeats)
     scored = measured.pop("samples")
-    learner = measure_learner(run_config, scored, updates, repeats)
-    one_core = measure_learner_on_one_core(run_config, scored, updates, repeats)
+    learner = learner_alone.measure_learner(run_config, scored, updates, repeats)
+    one_core = learner_alone.measure_learner_on_one_core(run_config, scored, updates, repeats)
+    together = None if not together_s else workload_together.measure_together(
+        run_config, scored, backend, seconds=together_s, passes=repeats)
   learner.update(one_core_s_per_sample=one_core["s_per_sample"],
                  work_s_per_sample=one_core["s_per_sample"])
   roles = {**measured, "learner": learner}
   cores = len(os.sched_getaffinity(0))
   return {"kind": "workload_bound", "layout": "threads" if backend == "threads" else
           "processes", "gin_files": list(gin_files), "gin_bindings": list(bindings),
-          "roles": roles, **bound_figures({role: roles[role]["s_per_sample"] for role in ROLES},
+          "roles": roles, **({} if together is None else {"together": together}),
+          **bound_figures({role: roles[role]["s_per_sample"] for role in ROLES},
                                           {role: roles[role]["work_s_per_sample"]
                                            for role in ROLES}, cores)}
 
@@ -385,15 +330,20 @@ def main(argv=None) -> int:
   parser.add_argument("--updates", type=int, default=100, help="learner updates timed")
   parser.add_argument("--repeats", type=int, default=3,
                       help="passes per role; the fastest is kept")
+  parser.add_argument("--together_s", type=float, default=0.0,
+                      help="also every role at once, in --repeats windows of this many "
+                           "seconds (benchmarks/workload_together.py); 0 skips it")
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
   if min(args.samples, args.updates, args.repeats) < 1:
     parser.error(f"--samples, --updates and --repeats must be >= 1, got {args.samples}, "
                  f"{args.updates} and {args.repeats}")
+  if args.together_s < 0:
+    parser.error(f"--together_s must be >= 0, got {args.together_s}")
   os.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   files = args.gin_file or ["gin/modes/sync.gin", "gin/tasks/rlvr.gin"]
   record = bound(args.backend, files, args.gin_bindings, samples=args.samples,
-                 updates=args.updates, repeats=args.repeats)
+                 updates=args.updates, repeats=args.repeats, together_s=args.together_s)
   emit_json_line({"benchmark": "workload_bound", "cpu_count": os.cpu_count(),
                   "load_average": os.getloadavg(), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
                   **record}, args.out)

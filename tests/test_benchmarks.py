@@ -9,7 +9,7 @@ import jax
 import pytest
 
 import gin
-from benchmarks import concurrency_ceiling, learner_step, modes, workload_bound
+from benchmarks import concurrency_ceiling, learner_step, modes, workload_bound, workload_together
 from benchmarks import serve as serve_bench
 
 TINY = ("DigitReverseTask.max_len = 8", "WarmStartConfig.steps = 20",
@@ -164,9 +164,12 @@ def test_workload_bound_is_the_slowest_role_measured_alone(tmp_path, monkeypatch
   out = tmp_path / "bound.json"
   assert workload_bound.main([
       "--backend", "threads", "--samples", "24", "--updates", "3", "--repeats", "2",
+      "--together_s", "0.5",
       "--gin_file", "gin/recipes/verl_fully_async.gin", "--gin_file", "gin/tasks/rlvr.gin",
       "--out", str(out), *[a for b in RLVR_TINY for a in ("--gin_bindings", b)]]) == 0
   record = _read(out)
+  check_together(record["together"], passes=2, servers=1)
+  assert record["together"]["cores"] is None  # the threads layout: the rollout in a thread
   roles = record["roles"]
   figures = {role: roles[role]["s_per_sample"] for role in workload_bound.ROLES}
   for role, value in figures.items():
@@ -202,6 +205,74 @@ def test_workload_bound_is_the_slowest_role_measured_alone(tmp_path, monkeypatch
       workload_bound.bound_figures({"a": 0.25, "b": bad})
 
 
+def check_together(together, *, passes, servers):
+  """Every role measured at once: each window's figures from its counts, the kept window the
+  one whose slower role was fastest."""
+  assert together["kind"] == "workload_together" and together["passes"] == passes
+  assert len(together["windows"]) == passes and together["servers"] == servers
+  for window in together["windows"]:
+    assert len(window["rollout"]) == servers
+    rate = sum(w["scored"] / w["s"] for w in window["rollout"])
+    assert window["rollout_s_per_sample"] == pytest.approx(1 / rate)
+    for w in window["rollout"]:  # scored by the window's end: never more than generated
+      assert 0 < w["scored"] <= w["generated"] and w["cpu_s"] > 0
+    learned = window["learner"]
+    assert learned["consumed"] > 0 and learned["consumed"] % 16 == 0  # whole updates of 16
+    assert window["learner_s_per_sample"] == pytest.approx(learned["s"] / learned["consumed"])
+    assert window["together_s_per_sample"] == max(window["rollout_s_per_sample"],
+                                                  window["learner_s_per_sample"])
+  best = min(w["together_s_per_sample"] for w in together["windows"])
+  assert together["together_s_per_sample"] == best
+  assert together["together_samples_per_s"] == pytest.approx(1 / best)
+
+
+@pytest.mark.slow  # a verifier process, a spawned rollout child, two compiles
+def test_workload_together_runs_the_rollout_where_the_processes_backend_does(
+    tmp_path, monkeypatch, no_xla_optimizations):
+  monkeypatch.chdir(tmp_path)
+  out = tmp_path / "bound.json"
+  assert workload_bound.main([
+      "--backend", "processes", "--samples", "24", "--updates", "2", "--repeats", "1",
+      "--together_s", "1.0",
+      "--gin_file", "gin/recipes/verl_fully_async.gin", "--gin_file", "gin/tasks/rlvr.gin",
+      "--out", str(out), *[a for b in RLVR_TINY for a in ("--gin_bindings", b)]]) == 0
+  together = _read(out)["together"]
+  check_together(together, passes=1, servers=1)
+  from jaxrl_async.backends.processes import child
+  assert together["cores"] == child.core_shares(1)[1]  # the rollout server's cores
+
+
+def test_together_figures_name_the_slower_role():
+  figures = workload_together.together_figures(0.0005, 0.0008)
+  assert figures["slowest_role"] == "learner"
+  assert figures["together_s_per_sample"] == 0.0008
+  assert figures["together_samples_per_s"] == pytest.approx(1250.0)
+  assert workload_together.together_figures(0.002, 0.0008)["slowest_role"] == "rollout"
+  # A run at 1,000 samples/s against roles that make 1,250 a second side by side: 0.8.
+  assert workload_together.fraction_of_together(1000.0, 0.0008) == pytest.approx(0.8)
+  for bad in (0.0, -1.0, float("nan"), float("inf")):
+    with pytest.raises(ValueError, match="role 'learner'"):
+      workload_together.together_figures(0.0005, bad)
+  with pytest.raises(ValueError, match="seconds must be > 0"):
+    workload_together.measure_together(None, [], "threads", seconds=0.0)
+
+
+def test_modes_gives_each_run_as_fractions_of_the_bound_and_of_the_roles_together():
+  table = {"sync": {"samples_per_s": 500.0}, "rlvr_async": {"samples_per_s": 1000.0}}
+  modes.add_fractions(table, {"kind": "workload_bound", "bound_s_per_sample": 0.0005,
+                              "together": {"together_s_per_sample": 0.0008}})
+  assert table["rlvr_async"]["fraction_of_ceiling"] == pytest.approx(0.5)
+  assert table["rlvr_async"]["fraction_of_together"] == pytest.approx(0.8)
+  assert table["sync"]["fraction_of_together"] == pytest.approx(0.4)
+  table = {"sync": {"samples_per_s": 500.0}}  # without the roles measured together
+  modes.add_fractions(table, {"kind": "workload_bound", "bound_s_per_sample": 0.0005})
+  assert "fraction_of_together" not in table["sync"]
+  table = {"sync": {"samples_per_s": 500.0, "samples_per_s_vs_sync": 1.0},
+           "async_partial": {"samples_per_s": 600.0, "samples_per_s_vs_sync": 1.2}}
+  modes.add_fractions(table, {"kind": "core_overlap", "speedup": 1.5})
+  assert table["async_partial"]["fraction_of_ceiling"] == pytest.approx(0.8)
+
+
 def test_the_cores_bound_is_the_roles_work_over_the_cores():
   alone = {"rollout": 0.3, "reward": 0.25, "learner": 0.33}
   # 0.3 + 0.05 + 0.6 = 0.95 core-s a sample over 2 cores: 0.475 s, above the slowest role's 0.33.
@@ -230,6 +301,8 @@ def test_modes_refuses_a_missing_task_file_and_an_unknown_bound_run(tmp_path, mo
                 "--bound_run", "async_partial"])
   with pytest.raises(SystemExit):  # a variant of a recipe that does not exist
     modes.main(["--variant", "x=recipes/no_such_recipe:RunConfig.seed = 1", "--modes", "sync"])
+  with pytest.raises(SystemExit):
+    modes.main(["--task_file", "gin/tasks/rlvr.gin", "--modes", "sync", "--together_s", "-1"])
   runs = {"sync": ("sync", []), "verl_fully_async": ("recipes/verl_fully_async", [])}
   assert modes.bound_run(runs, None) == "verl_fully_async"  # the first async run
   assert modes.bound_run({"sync": ("sync", [])}, None) == "sync"
