@@ -242,6 +242,25 @@ def rollout_child(config, samples: int, repeats: int, result_path: str, score: b
     pickle.dump(result, f)
 
 
+def collect_children(processes, paths, timeout_s: float, what: str) -> list:
+  """Waits for each child (at most `timeout_s` each) and reaps it, then loads the result each
+  pickled to its path; RuntimeError naming the first child that failed."""
+  from jaxrl_async.backends.processes import child
+  failed = None
+  for process in processes:
+    process.join(timeout_s)
+    code = child.reap(process)
+    if code != 0 and failed is None:
+      failed = f"{process.name}, {what}, failed (exit code {code})"
+  if failed is not None:
+    raise RuntimeError(failed)
+  results = []
+  for path in paths:
+    with open(path, "rb") as f:
+      results.append(pickle.load(f))
+  return results
+
+
 def _rollout_in_children(config, samples: int, repeats: int) -> dict:
   """`measure_rollout_and_reward` in one spawned child per rollout server, each on the server's
   cores (`child.core_shares`), generating at once (`samples` samples each): the rollout's rate
@@ -258,16 +277,7 @@ def _rollout_in_children(config, samples: int, repeats: int) -> dict:
                              (config, samples, repeats, path, i == 0, barrier),
                              name=f"bound-rollout-{i}", cores=cores, env=child.child_env(cores))
                  for i, (path, cores) in enumerate(zip(paths, shares, strict=True))]
-    for process in processes:
-      process.join(1800)
-      code = child.reap(process)
-      if code != 0:
-        raise RuntimeError(f"{process.name}, a rollout measurement's child, failed (exit code "
-                           f"{code})")
-    results = []
-    for path in paths:
-      with open(path, "rb") as f:
-        results.append(pickle.load(f))
+    results = collect_children(processes, paths, 1800, "a rollout measurement's child")
   result = results[0]
   if servers > 1:
     rate = sum(1.0 / r["rollout"]["s_per_sample"] for r in results)

@@ -185,17 +185,10 @@ def measure_together(config, scored, backend: str, *, seconds: float = 5.0,
       except BaseException:
         barrier.abort()
         raise
-      finally:
-        for process in processes:
-          process.join(BARRIER_TIMEOUT_S + passes * seconds)
-          code = child.reap(process)
-          if code != 0:
-            raise RuntimeError(f"{process.name}, a together measurement's child, failed "
-                               f"(exit code {code})")
-      servers = []
-      for path in paths:
-        with open(path, "rb") as f:
-          servers.append(pickle.load(f))
+      finally:  # a child that failed is named even when the learner's side failed with it
+        servers = workload_bound.collect_children(processes, paths,
+                                                  BARRIER_TIMEOUT_S + passes * seconds,
+                                                  "a together measurement's child")
   windows = []
   for k, learned in enumerate(learner):
     rollout_rate = sum(_rate(s[k]["scored"], s[k]["s"], "rollout") for s in servers)

@@ -157,17 +157,22 @@ RLVR_TINY = ("RLVRReverseTask.max_len = 15", "WarmStartConfig.steps = 20",
              "VerifierSettings.concurrency = 2", "RunConfig.reward_workers = 1")
 
 
+def run_bound(tmp_path, *args):
+  """workload_bound.py on verl_fully_async's settings and the tiny RLVR task -> its record."""
+  out = tmp_path / "bound.json"
+  assert workload_bound.main([
+      *args, "--gin_file", "gin/recipes/verl_fully_async.gin", "--gin_file",
+      "gin/tasks/rlvr.gin", "--out", str(out),
+      *[a for b in RLVR_TINY for a in ("--gin_bindings", b)]]) == 0
+  return _read(out)
+
+
 @pytest.mark.slow  # about 12 CPU-s: a verifier process, two compiles
 def test_workload_bound_is_the_slowest_role_measured_alone(tmp_path, monkeypatch,
                                                           no_xla_optimizations):
   monkeypatch.chdir(tmp_path)  # main changes to the repository root; restored afterwards
-  out = tmp_path / "bound.json"
-  assert workload_bound.main([
-      "--backend", "threads", "--samples", "24", "--updates", "3", "--repeats", "2",
-      "--together_s", "0.5",
-      "--gin_file", "gin/recipes/verl_fully_async.gin", "--gin_file", "gin/tasks/rlvr.gin",
-      "--out", str(out), *[a for b in RLVR_TINY for a in ("--gin_bindings", b)]]) == 0
-  record = _read(out)
+  record = run_bound(tmp_path, "--backend", "threads", "--samples", "24", "--updates", "3",
+                     "--repeats", "2", "--together_s", "0.5")
   check_together(record["together"], passes=2, servers=1)
   assert record["together"]["cores"] is None  # the threads layout: the rollout in a thread
   roles = record["roles"]
@@ -230,13 +235,8 @@ def check_together(together, *, passes, servers):
 def test_workload_together_runs_the_rollout_where_the_processes_backend_does(
     tmp_path, monkeypatch, no_xla_optimizations):
   monkeypatch.chdir(tmp_path)
-  out = tmp_path / "bound.json"
-  assert workload_bound.main([
-      "--backend", "processes", "--samples", "24", "--updates", "2", "--repeats", "1",
-      "--together_s", "1.0",
-      "--gin_file", "gin/recipes/verl_fully_async.gin", "--gin_file", "gin/tasks/rlvr.gin",
-      "--out", str(out), *[a for b in RLVR_TINY for a in ("--gin_bindings", b)]]) == 0
-  together = _read(out)["together"]
+  together = run_bound(tmp_path, "--backend", "processes", "--samples", "24", "--updates", "2",
+                       "--repeats", "1", "--together_s", "1.0")["together"]
   check_together(together, passes=1, servers=1)
   from jaxrl_async.backends.processes import child
   assert together["cores"] == child.core_shares(1)[1]  # the rollout server's cores
