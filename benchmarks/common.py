@@ -1,8 +1,10 @@
-"""What every benchmark shares: one JSON line on stdout, optionally also written to a file."""
+"""What every benchmark shares: one JSON line on stdout, optionally also written to a file;
+the results of measurement children."""
 
 import glob
 import json
 import os
+import pickle
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -48,3 +50,22 @@ def median_run(run_dirs_: list[str]) -> str:
     with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
       speeds.append((json.load(f)["system/samples_per_s"], run_dir))
   return sorted(speeds)[(len(speeds) - 1) // 2][1]
+
+
+def collect_children(processes, paths, timeout_s: float, what: str) -> list:
+  """Waits for each child (at most `timeout_s` each) and reaps it, then loads the result each
+  pickled to its path; RuntimeError naming the first child that failed."""
+  from jaxrl_async.backends.processes import child
+  failed = None
+  for process in processes:
+    process.join(timeout_s)
+    code = child.reap(process)
+    if code != 0 and failed is None:
+      failed = f"{process.name}, {what}, failed (exit code {code})"
+  if failed is not None:
+    raise RuntimeError(failed)
+  results = []
+  for path in paths:
+    with open(path, "rb") as f:
+      results.append(pickle.load(f))
+  return results

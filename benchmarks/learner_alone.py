@@ -11,6 +11,8 @@ import pickle
 import tempfile
 import time
 
+from benchmarks import common
+
 
 def learner_updates(config, scored):
   """(update(i) -> samples consumed, warm-up count): update i on the recorded samples' whole
@@ -84,9 +86,5 @@ def measure_learner_on_one_core(config, scored, updates: int, repeats: int) -> d
     process = child.spawn("benchmarks.learner_alone:learner_child",
                           (config, scored, updates, repeats, path), name="bound-learner-1core",
                           cores=core, env=child.child_env(core))
-    process.join(1800)
-    code = child.reap(process)
-    if code != 0:
-      raise RuntimeError(f"the one-core learner measurement's child failed (exit code {code})")
-    with open(path, "rb") as f:
-      return pickle.load(f)
+    return common.collect_children([process], [path], 1800,
+                                   "the one-core learner measurement's child")[0]

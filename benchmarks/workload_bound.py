@@ -49,7 +49,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import learner_alone
+from benchmarks import common, learner_alone
 from benchmarks.common import emit_json_line
 
 ROLES = ("rollout", "reward", "learner")
@@ -242,25 +242,6 @@ def rollout_child(config, samples: int, repeats: int, result_path: str, score: b
     pickle.dump(result, f)
 
 
-def collect_children(processes, paths, timeout_s: float, what: str) -> list:
-  """Waits for each child (at most `timeout_s` each) and reaps it, then loads the result each
-  pickled to its path; RuntimeError naming the first child that failed."""
-  from jaxrl_async.backends.processes import child
-  failed = None
-  for process in processes:
-    process.join(timeout_s)
-    code = child.reap(process)
-    if code != 0 and failed is None:
-      failed = f"{process.name}, {what}, failed (exit code {code})"
-  if failed is not None:
-    raise RuntimeError(failed)
-  results = []
-  for path in paths:
-    with open(path, "rb") as f:
-      results.append(pickle.load(f))
-  return results
-
-
 def _rollout_in_children(config, samples: int, repeats: int) -> dict:
   """`measure_rollout_and_reward` in one spawned child per rollout server, each on the server's
   cores (`child.core_shares`), generating at once (`samples` samples each): the rollout's rate
@@ -277,7 +258,7 @@ def _rollout_in_children(config, samples: int, repeats: int) -> dict:
                              (config, samples, repeats, path, i == 0, barrier),
                              name=f"bound-rollout-{i}", cores=cores, env=child.child_env(cores))
                  for i, (path, cores) in enumerate(zip(paths, shares, strict=True))]
-    results = collect_children(processes, paths, 1800, "a rollout measurement's child")
+    results = common.collect_children(processes, paths, 1800, "a rollout measurement's child")
   result = results[0]
   if servers > 1:
     rate = sum(1.0 / r["rollout"]["s_per_sample"] for r in results)
@@ -295,7 +276,7 @@ def bound(backend: str, gin_files, bindings=(), *, samples: int = 2048,
   rollout server's cores), and the bound they imply (`bound_figures`); with `together_s`,
   also every role at once in `repeats` windows of that many seconds (`together`,
   `workload_together.measure_together`)."""
-  from benchmarks import workload_together
+  from benchmarks import workload_together  # here: it builds on this module
   from jaxrl_async import compilation_cache
   from jaxrl_async.run.services import task_services
   if backend not in ("threads", "processes", "ray"):

@@ -29,7 +29,7 @@ import tempfile
 import threading
 import time
 
-from benchmarks import learner_alone, workload_bound
+from benchmarks import common, learner_alone, workload_bound
 
 BARRIER_TIMEOUT_S = 600.0  # every side compiles before the first window
 
@@ -58,7 +58,14 @@ def rollout_windows(config, seconds: float, passes: int, barrier) -> list[dict]:
   the reward pool as they finish, for `passes` windows of `seconds`, each begun at `barrier`.
   Per window: samples generated, samples scored by its end, its seconds and CPU seconds."""
   side, batcher, requests, _ = workload_bound.rollout_at_full_slots(config)
-  slots = config.max_concurrent_decodes
+  try:
+    return _windows(side, batcher, requests, config.max_concurrent_decodes, seconds, passes,
+                    barrier)
+  finally:
+    side.rewards.close()
+
+
+def _windows(side, batcher, requests, slots: int, seconds: float, passes: int, barrier):
   windows = []
   for _ in range(passes):
     lock, scored, pending = threading.Lock(), [0], []
@@ -88,7 +95,6 @@ def rollout_windows(config, seconds: float, passes: int, barrier) -> list[dict]:
     with lock:
       windows.append({"s": elapsed, "generated": generated, "scored": scored[0],
                       "cpu_s": cpu_s})
-  side.rewards.close()
   return windows
 
 
@@ -186,9 +192,8 @@ def measure_together(config, scored, backend: str, *, seconds: float = 5.0,
         barrier.abort()
         raise
       finally:  # a child that failed is named even when the learner's side failed with it
-        servers = workload_bound.collect_children(processes, paths,
-                                                  BARRIER_TIMEOUT_S + passes * seconds,
-                                                  "a together measurement's child")
+        servers = common.collect_children(processes, paths, BARRIER_TIMEOUT_S + passes * seconds,
+                                          "a together measurement's child")
   windows = []
   for k, learned in enumerate(learner):
     rollout_rate = sum(_rate(s[k]["scored"], s[k]["s"], "rollout") for s in servers)

@@ -220,7 +220,7 @@ def test_the_default_task_trains_with_rollout_servers_as_processes(tmp_path, ver
   assert summary["rollout/swaps"] >= config.num_versions - 1
   for stage in ("fetch", "load"):
     total, mean = summary[f"rollout/swap_{stage}_s"], summary[f"rollout/swap_{stage}_s_mean"]
-    assert mean == pytest.approx(total / summary["rollout/swaps"]) and 0 < mean < 1.0
+    assert mean == pytest.approx(total / summary["rollout/swaps"]) and mean > 0
   records = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "algo/version_gap_max" in r]
   assert max(r["algo/version_gap_max"] for r in records) <= config.max_version_gap
   dropped = sum(v for k, v in summary.items() if k.startswith("queue/dropped/"))
