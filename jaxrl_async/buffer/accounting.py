@@ -22,6 +22,10 @@ import numpy as np
 from jaxrl_async.types import DROP_REASONS
 
 LATENCY_WINDOW = 4096
+# What holds a take (`get_groups`) that waits: fewer whole groups ready than it asks for
+# ('groups'), or enough of them while version_gap_policy 'wait' holds the version's last take
+# for a group about to pass the age bound ('age_bound').
+TAKE_WAIT_REASONS = ("groups", "age_bound")
 
 
 def check_drop_reason(reason: str) -> str:
@@ -41,6 +45,7 @@ class SampleAccounting:
     "dropped_groups",
     "put",
     "queued",
+    "take_wait_s",
     "unadmitted_groups",
   )
 
@@ -53,6 +58,8 @@ class SampleAccounting:
     self.dropped_groups = dict.fromkeys(DROP_REASONS, 0)
     self.unadmitted_groups = 0  # groups put without acquire_group_slot
     self.admission_wait_s = 0.0
+    # Seconds takes spent waiting, by what held them (TAKE_WAIT_REASONS).
+    self.take_wait_s = dict.fromkeys(TAKE_WAIT_REASONS, 0.0)
 
   def record_put(self) -> None:
     self.put += 1
@@ -92,6 +99,7 @@ class SampleAccounting:
   def to_state(self) -> dict[str, Any]:
     state = self.counts()
     state["admission_wait_s"] = float(self.admission_wait_s)
+    state["take_wait_s"] = dict(self.take_wait_s)
     return state
 
   def load_state(self, state: dict[str, Any]) -> None:
@@ -101,6 +109,9 @@ class SampleAccounting:
     self.dropped_groups = {reason: int(state["dropped_groups"][reason])
                            for reason in DROP_REASONS}
     self.admission_wait_s = float(state["admission_wait_s"])
+    # Absent from the states of runs saved before takes' waits were counted: those start at 0.
+    waited = state.get("take_wait_s", {})
+    self.take_wait_s = {reason: float(waited.get(reason, 0.0)) for reason in TAKE_WAIT_REASONS}
 
 
 class LatencyStats:

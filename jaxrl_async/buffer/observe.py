@@ -27,6 +27,8 @@ def queue_metrics(buffer: VersionedBuffer) -> dict[str, float]:
   }
   for reason in DROP_REASONS:
     metrics[f"queue/dropped/{reason}"] = float(acc.dropped[reason])
+  for reason, seconds in acc.take_wait_s.items():
+    metrics[f"queue/take_wait_s/{reason}"] = float(seconds)
   return metrics
 
 

@@ -247,12 +247,15 @@ class VersionedBuffer(staleness_budget.StalenessBudget):
             finally:
               self._lock.acquire()
             continue
-          remaining = deadline - time.monotonic()
+          now = time.monotonic()
+          remaining = deadline - now
           if remaining <= 0:
             raise BufferTimeout(
                 f"get_groups(num_groups={num_groups}) timed out after {timeout:.3g} s: "
                 f"{observe.describe(self)}")
+          reason = "groups" if len(self._ready) < num_groups else "age_bound"
           self._ready_cv.wait(remaining)
+          self._acc.take_wait_s[reason] += time.monotonic() - now
       finally:
         self._consumers_wanting.remove(num_groups)
       groups, self._ready = take_oldest(self._ready, num_groups)

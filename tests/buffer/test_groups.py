@@ -15,6 +15,7 @@ from jaxrl_async.buffer import (
   BufferTimeout,
   drop_uniform_reward,
 )
+from jaxrl_async.buffer.accounting import TAKE_WAIT_REASONS
 from jaxrl_async.types import DROP_REASONS
 
 from .factory import (
@@ -217,6 +218,7 @@ def test_metrics_keys_and_values():
               "queue/latency_s_mean", "queue/admission_wait_s", "queue/put", "queue/consumed",
               "queue/outstanding_groups", "queue/rollout_version"}
   expected |= {f"queue/dropped/{reason}" for reason in DROP_REASONS}
+  expected |= {f"queue/take_wait_s/{reason}" for reason in TAKE_WAIT_REASONS}
   expected |= {f"lengths/{kind}_{stat}" for kind in ("generated", "consumed")
                for stat in ("mean", "p90")} | {"lengths/consumed_over_generated_mean"}
   assert set(metrics) == expected  # no drop yet: no lengths/dropped_le_* bucket

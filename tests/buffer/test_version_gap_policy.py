@@ -82,6 +82,23 @@ def test_wait_holds_a_take_until_the_straggler_is_whole_and_returns_it_first():
   buffer.check_invariants()
 
 
+def test_a_take_s_wait_is_counted_under_what_held_it():
+  buffer, straggler = _buffer_with_a_straggler("wait")
+  with pytest.raises(BufferTimeout):
+    buffer.get_groups(3, 2, 0.05)  # two groups ready, three asked for
+  waited = buffer.metrics()
+  assert waited["queue/take_wait_s/groups"] >= 0.05
+  assert waited["queue/take_wait_s/age_bound"] == 0.0
+  with pytest.raises(BufferTimeout):
+    buffer.get_groups(2, 2, 0.05)  # enough ready, held for the straggler
+  held = buffer.metrics()
+  assert held["queue/take_wait_s/age_bound"] >= 0.05
+  assert held["queue/take_wait_s/groups"] == waited["queue/take_wait_s/groups"]
+  buffer.put(straggler[1], 1.0)
+  buffer.get_groups(2, 2, 1.0)  # ready at once: no wait added
+  assert buffer.metrics()["queue/take_wait_s/age_bound"] == held["queue/take_wait_s/age_bound"]
+
+
 def test_wait_holds_only_the_take_that_closes_the_version():
   buffer, straggler = _buffer_with_a_straggler("wait", groups_per_version=3)
   _admit(buffer, 1)
