@@ -55,13 +55,15 @@ class RoleTimer:
 
   @contextlib.contextmanager
   def busy(self, role: str):
-    self._enter(role)
+    self.begin(role)
     try:
       yield
     finally:
-      self._exit(role)
+      self.end(role)
 
-  def _enter(self, role: str) -> None:
+  def begin(self, role: str) -> None:
+    """Opens a busy interval of `role`; `end` closes it, possibly from another thread (work
+    that finishes asynchronously, e.g. a dispatched XLA computation)."""
     with self._lock:
       if role not in self._busy:
         raise KeyError(f"unknown role {role!r}; roles are {sorted(self._busy)}")
@@ -71,7 +73,7 @@ class RoleTimer:
         self._span_begin[role] = now - self.start - self._excluded
       self._open[role].append(1)
 
-  def _exit(self, role: str) -> None:
+  def end(self, role: str) -> None:
     with self._lock:
       self._open[role].pop()
       if not self._open[role]:
