@@ -55,15 +55,13 @@ class RoleTimer:
 
   @contextlib.contextmanager
   def busy(self, role: str):
-    self.begin(role)
+    self._enter(role)
     try:
       yield
     finally:
-      self.end(role)
+      self._exit(role)
 
-  def begin(self, role: str) -> None:
-    """Opens a busy interval of `role`; `end` closes it, possibly from another thread (work
-    that finishes asynchronously, e.g. a dispatched XLA computation)."""
+  def _enter(self, role: str) -> None:
     with self._lock:
       if role not in self._busy:
         raise KeyError(f"unknown role {role!r}; roles are {sorted(self._busy)}")
@@ -73,7 +71,7 @@ class RoleTimer:
         self._span_begin[role] = now - self.start - self._excluded
       self._open[role].append(1)
 
-  def end(self, role: str) -> None:
+  def _exit(self, role: str) -> None:
     with self._lock:
       self._open[role].pop()
       if not self._open[role]:

@@ -13,9 +13,10 @@ import threading
 import time
 from collections.abc import Callable
 
+import jax
+
 from jaxrl_async import faults
 from jaxrl_async.buffer import BufferClosed, BufferTimeout, VersionedBuffer
-from jaxrl_async.learner.in_flight import CompletionWatcher, PendingMetrics
 from jaxrl_async.learner.schedule import (
   Publish,
   Take,
@@ -26,7 +27,7 @@ from jaxrl_async.learner.schedule import (
   drive,
   learner_schedule,
 )
-from jaxrl_async.metrics import RoleTimer, staleness_and_gaps, staleness_metrics
+from jaxrl_async.metrics import RoleTimer, staleness_and_gaps, staleness_metrics, sum_pairs
 from jaxrl_async.roles import RoleThread
 from jaxrl_async.sync.channel import WeightChannel
 
@@ -87,10 +88,7 @@ class LearnerRole(RoleThread):
     self.taken: list | None = list(taken) if taken else None
     self.window_groups: list = []  # trained in the current, unfinished version window
     self._window_params = None  # the params at the start of the version window, if needed
-    self._accumulated = PendingMetrics()  # the window's metric sums, read at its record
-    # An update is dispatched and left to run while the next groups are taken; this closes its
-    # busy interval when it is done (learner/in_flight.py).
-    self._completion = CompletionWatcher(timer, "learner")
+    self._accumulated: dict = {}  # the window's metric sums
 
   def _get_groups(self):
     began = time.perf_counter()
@@ -130,12 +128,9 @@ class LearnerRole(RoleThread):
   def run(self) -> None:
     """Performs `learner_schedule`'s effects: the control flow lives there, the buffer,
     update, channel, stop handling and fault points here."""
-    try:
-      drive(learner_schedule(start_version=self.version, num_versions=self.num_versions,
-                             trigger=self.trigger, taken=self.taken,
-                             published=self.channel.latest_version()), self._perform)
-    finally:
-      self._completion.close()
+    drive(learner_schedule(start_version=self.version, num_versions=self.num_versions,
+                           trigger=self.trigger, taken=self.taken,
+                           published=self.channel.latest_version()), self._perform)
 
   def _perform(self, effect):
     match effect:
@@ -157,7 +152,7 @@ class LearnerRole(RoleThread):
           faults.point("learner.take_publish")
         self._publish(version)
       case VersionDone(version=version, consumed=consumed):
-        self.on_version(version, self.state, consumed, self._accumulated.sums(),
+        self.on_version(version, self.state, consumed, self._accumulated,
                         staleness_metrics(consumed, version - 1))
     return None
 
@@ -165,19 +160,14 @@ class LearnerRole(RoleThread):
     if local == 0:  # a version window opens
       self._window_params = (self.copy_params(self.state.params) if self.needs_window_params
                              else None)
-      self._accumulated.clear()
+      self._accumulated = {}
       self.window_groups = []
     if self.debug_checks:
       check_staleness(groups, version, on_policy=self.on_policy,
                       max_version_gap=self.max_version_gap)
-    self.timer.begin("learner")
-    try:
+    with self.timer.busy("learner"):
       self.state, metrics = self.update_fn(self.state, groups, self._window_params, version,
                                            local)
-    except BaseException:
-      self.timer.end("learner")
-      raise
-    self._completion.watch(metrics)  # ends the busy interval when the update is done
-    self._accumulated.add(metrics)
+      self._accumulated = sum_pairs(self._accumulated, jax.device_get(metrics))
     self.taken = None  # trained: the state now holds them
     self.window_groups.extend(groups)
