@@ -214,7 +214,7 @@ def test_a_state_saved_before_takes_waits_were_counted_restores_them_at_zero():
   with pytest.raises(BufferTimeout):
     buffer.get_groups(2, 1, 0.02)  # one group ready, two asked for
   state = json.loads(json.dumps(buffer.get_state()))
-  assert state["accounting"]["take_wait_s"]["groups"] >= 0.02
+  assert state["accounting"]["take_wait_s"]["groups"] >= 0.015  # most of the timeout
   restored = make_buffer(group_size=2, groups_per_version=2, staleness_threshold=1.0,
                          max_version_gap=2)
   restored.set_state(state)

@@ -87,12 +87,12 @@ def test_a_take_s_wait_is_counted_under_what_held_it():
   with pytest.raises(BufferTimeout):
     buffer.get_groups(3, 2, 0.05)  # two groups ready, three asked for
   waited = buffer.metrics()
-  assert waited["queue/take_wait_s/groups"] >= 0.05
+  assert waited["queue/take_wait_s/groups"] >= 0.04  # most of the timeout: counted from the loop
   assert waited["queue/take_wait_s/age_bound"] == 0.0
   with pytest.raises(BufferTimeout):
     buffer.get_groups(2, 2, 0.05)  # enough ready, held for the straggler
   held = buffer.metrics()
-  assert held["queue/take_wait_s/age_bound"] >= 0.05
+  assert held["queue/take_wait_s/age_bound"] >= 0.04
   assert held["queue/take_wait_s/groups"] == waited["queue/take_wait_s/groups"]
   buffer.put(straggler[1], 1.0)
   buffer.get_groups(2, 2, 1.0)  # ready at once: no wait added
