@@ -316,7 +316,8 @@ def _run(parts: Parts, backend: Backend, connection: Connection, run_dir, *, res
     if learner.error is not None:
       raise RoleFailed(f"the learner role failed: {learner.error!r}") from learner.error
     final_state = learner.state
-    fleet.stop()
+    with timer.excluded():  # stopping servers is not training time, as starting them is not
+      fleet.stop()
     timer.add_spans(fleet.take_spans())
     if evaluated != learner.version:  # the last version may have been evaluated already
       with timer.excluded():
