@@ -103,22 +103,28 @@ class LocalBufferClient(BufferClient):
     self.buffer.put_many(samples, timeout, one_deadline=True)
 
   def acquire_group_slots(self, max_count, timeout, *, starts=None, holding_version=None):
-    del starts  # in one process the roles share their fate: nothing to record
+    # In one process the roles share their fate: of `starts` only the group ids are kept (the
+    # buffer follows each admitted group by its id).
     check_acquire_args(max_count, timeout)
     if self.buffer.closed:
       raise BufferClosed("acquire_group_slots: the buffer is closed")
     if holding_version is not None and holding_version > self.buffer.rollout_version:
       self.buffer.publish_version(holding_version)
+    ids = [int(entry["group_id"]) for entry in starts or ()]
+
+    def group_id(index: int) -> int | None:
+      return ids[index] if index < len(ids) else None
+
     acquired = 0
     if timeout > 0:
       try:
-        self.buffer.acquire_group_slot(timeout)
+        self.buffer.acquire_group_slot(timeout, group_id(0))
       except BufferTimeout:
         return 0
       acquired = 1
     while acquired < max_count and self.buffer.available_slots > 0:
       try:
-        self.buffer.acquire_group_slot(_NO_WAIT_S)
+        self.buffer.acquire_group_slot(_NO_WAIT_S, group_id(acquired))
       except BufferTimeout:  # another producer took it meanwhile
         break
       acquired += 1

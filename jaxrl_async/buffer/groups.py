@@ -164,24 +164,33 @@ class AgeBoundWait:
   Two kinds of group are not yet whole: partly arrived ones (their oldest arrived token is
   known; a member still out is assumed no older, as a group's members start together) and
   admitted ones with no member arrived yet, whose tokens are no older than the rollout version
-  they were admitted at. Those admission versions are kept; a group's first arrival retires
-  the newest one not newer than its oldest token (the admission it most likely came from).
+  they were admitted at. Those admission versions are kept. An admission that names its group
+  (every Rollouter's does) is retired by that group's first arrival. One that does not is
+  retired by some group's first arrival: the newest unnamed admission not newer than the
+  group's oldest token (the one it most likely came from). That guess can retire the wrong
+  admission, for instance when a group admitted just before a weight swap starts after it,
+  and leave an old version standing for a newer group, which holds takes it should not.
   The drop at take stays the hard bound, for what these estimates miss.
   """
 
-  __slots__ = ("groups_per_version", "in_flight", "max_version_gap", "taken", "version")
+  __slots__ = ("by_group", "groups_per_version", "in_flight", "max_version_gap", "taken",
+               "version")
 
   def __init__(self, max_version_gap: int, groups_per_version: int):
     self.max_version_gap = max_version_gap
     self.groups_per_version = groups_per_version
     self.version, self.taken = -1, 0  # groups taken at learner version `version`
-    self.in_flight: list[int] = []  # admission versions of groups with nothing arrived, sorted
+    self.by_group: dict[int, int] = {}  # named admissions with nothing arrived: id -> version
+    self.in_flight: list[int] = []  # versions of the unnamed ones with nothing arrived, sorted
 
-  def admitted(self, rollout_version: int) -> None:
-    self.in_flight.append(rollout_version)  # versions only grow: stays sorted
+  def admitted(self, rollout_version: int, group_id: int | None = None) -> None:
+    if group_id is None:
+      self.in_flight.append(rollout_version)  # versions only grow: stays sorted
+    else:
+      self.by_group[group_id] = rollout_version
 
-  def started(self, min_version: int | None) -> None:
-    if not self.in_flight:
+  def started(self, group_id: int, min_version: int | None) -> None:
+    if self.by_group.pop(group_id, None) is not None or not self.in_flight:
       return
     index = len(self.in_flight) - 1
     if min_version is not None:
@@ -194,6 +203,8 @@ class AgeBoundWait:
       return False
     edge = learner_version - self.max_version_gap
     if self.in_flight and self.in_flight[0] <= edge:
+      return True
+    if any(version <= edge for version in self.by_group.values()):
       return True
     return any(group.min_version is not None and group.min_version <= edge
                for group in partial_groups)

@@ -92,13 +92,16 @@ class VersionedBuffer(staleness_budget.StalenessBudget):
     self._drop_log: list | None = [] if record_drops else None  # (reason, uids): the ledger's
 
   # ---- producer side ------------------------------------------------------------------------
-  def acquire_group_slot(self, timeout: float) -> int:
+  def acquire_group_slot(self, timeout: float, group_id: int | None = None) -> int:
     """Admits one group; blocks while the window's budget is used up.
 
     Returns the rollout version of the window the group was admitted in: the Rollouter must
-    generate it with weights of at least that version.
+    generate it with weights of at least that version. `group_id`, when the caller knows which
+    group it admits, lets version_gap_policy 'wait' follow that group exactly (`AgeBoundWait`).
     """
     deadline = check_timeout("acquire_group_slot", timeout)
+    if group_id is not None and not is_int(group_id):
+      raise ValueError(f"acquire_group_slot: group_id={group_id!r} must be an int or None")
     with self._lock:
       if not self._ledger.can_admit():
         started = time.monotonic()
@@ -111,7 +114,7 @@ class VersionedBuffer(staleness_budget.StalenessBudget):
         raise BufferClosed("acquire_group_slot: the buffer is closed")
       self._ledger.admit()
       if self._age_wait:
-        self._age_wait.admitted(self._rollout_version)
+        self._age_wait.admitted(self._rollout_version, group_id)
       return self._rollout_version
 
   def put(self, sample: Sample, timeout: float) -> None:
@@ -166,7 +169,7 @@ class VersionedBuffer(staleness_budget.StalenessBudget):
             if not admitted:
               acc.unadmitted_groups += 1
             elif self._age_wait:
-              self._age_wait.started(min_version)
+              self._age_wait.started(group_id, min_version)
             group = PartialGroup(group_id, group_size, admitted)
             if members is None:
               partial[group_id] = group

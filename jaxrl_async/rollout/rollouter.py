@@ -191,8 +191,9 @@ class Rollouter(RoleThread):
       if self._reissue and self._reissue[0]["missing"] != list(range(self.group_size)):
         entry = self._reissue.pop(0)  # a partial group already holds its admission
       else:
+        group_id = self._reissue[0]["group_id"] if self._reissue else self.next_group_id
         try:
-          self.buffer.acquire_group_slot(timeout=1e-3)
+          self.buffer.acquire_group_slot(timeout=1e-3, group_id=group_id)
         except BufferTimeout:
           return
         entry = self._reissue.pop(0) if self._reissue else None

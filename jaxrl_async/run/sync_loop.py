@@ -123,7 +123,7 @@ def run_sync(parts: Parts, run_dir, *, resume: bool, progress: bool, log=print):
             boundary = (prompts.get_state(), next_group, state, run_state_now())
             requests = []
             for _ in range(count):
-              buffer.acquire_group_slot(timeout=ADMISSION_TIMEOUT_S)
+              buffer.acquire_group_slot(timeout=ADMISSION_TIMEOUT_S, group_id=next_group)
               requests += make_group_requests(next(prompts), next_group,
                                               cfg.group_size, cfg.seed)
               next_group += 1

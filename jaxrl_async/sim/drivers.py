@@ -142,7 +142,7 @@ def sync_loop(clock: Clock, *, pool: ReplicaPool, buffer: VersionedBuffer, ready
         if overhead_s:
           yield ("work", learner, overhead_s, "host")
         for _ in range(count):
-          buffer.acquire_group_slot(timeout=NO_WAIT_S)
+          buffer.acquire_group_slot(timeout=NO_WAIT_S, group_id=next_group)
           pool.least_loaded().pending.extend(pool.new_group(next_group, group_size))
           next_group += 1
       case sync.Generate():

@@ -234,7 +234,7 @@ class SimRollouter:
       if not may_admit(draining=self.draining, load=replica.load, slots=pool.slots,
                        group_size=self.group_size) or buffer.available_slots <= 0:
         return
-      buffer.acquire_group_slot(timeout=NO_WAIT_S)
+      buffer.acquire_group_slot(timeout=NO_WAIT_S, group_id=self.next_group_id)
       replica.pending.extend(pool.new_group(self.next_group_id, self.group_size))
       self.next_group_id += 1
       self.counts["groups_started"] += 1

@@ -130,6 +130,24 @@ def test_groups_older_than_the_gap_are_dropped_as_stale(make_client):
   assert client.metrics()["queue/dropped/stale"] == 4.0
 
 
+def test_the_groups_an_ask_starts_name_their_admissions(make_client):
+  """Group 80, admitted at version 1, starts after the swap to 2; group 81, admitted at 2, is
+  still out. The starts name each admission's group, so 80's arrival retires its own and the
+  take that closes version 2 (bound 1, 'wait') has nothing of version 1 to wait for
+  (tests/buffer/test_version_gap_policy.py has the guess unnamed admissions fall back to)."""
+  client = make_client(group_size=2, groups_per_version=1, staleness_threshold=1.0,
+                       max_version_gap=1, version_gap_policy="wait")
+  problem = {"prompt_id": 0}
+  client.acquire_group_slots(1, 0, holding_version=1,
+                             starts=[{"group_id": 80, "problem": problem, "missing": [0, 1]}])
+  client.acquire_group_slots(1, 0, holding_version=2,
+                             starts=[{"group_id": 81, "problem": problem, "missing": [0, 1]}])
+  client.put_many(make_group(80, 2, version=2), timeout=5.0)
+  (group,) = client.get_groups(1, 2, timeout=0.5)
+  assert group[0].group_id == 80
+  assert client.metrics()["queue/take_wait_s/age_bound"] == 0.0
+
+
 def test_close_wakes_every_blocked_caller(make_client):
   client = make_client(group_size=2, groups_per_version=1)
   client.acquire_group_slots(1, 0)

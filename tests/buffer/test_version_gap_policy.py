@@ -177,3 +177,32 @@ def test_a_restored_buffer_does_not_wait_for_voided_admissions():
   restored.set_state(buffer.get_state())
   (got,) = restored.get_groups(1, 2, 1.0)
   assert got[0].group_id == 71
+
+
+@pytest.mark.parametrize("named", [True, False])
+def test_a_named_admission_is_retired_by_its_own_groups_arrival(named):
+  """Group 80, admitted at version 1, starts only after the swap to 2 (it waited for a slot);
+  group 81 is admitted at 2 and still out. Named admissions know 80's arrival for 80's: nothing
+  of version 1 is out, and the take that closes version 2 (bound 1) does not wait. Unnamed,
+  80's arrival retires the newest admission not newer than its tokens, 81's: version 1 seems
+  out, and the take waits for group 81 (the guess the names replace)."""
+  buffer = make_buffer(group_size=2, groups_per_version=1, staleness_threshold=1.0,
+                       max_version_gap=1, version_gap_policy="wait")
+  buffer.publish_version(1)
+  buffer.acquire_group_slot(1.0, group_id=80 if named else None)
+  buffer.publish_version(2)
+  buffer.acquire_group_slot(1.0, group_id=81 if named else None)
+  put_group(buffer, make_group(80, 2, version=2))
+  if named:
+    (got,) = buffer.get_groups(1, 2, 1.0)
+    assert got[0].group_id == 80
+    assert buffer.metrics()["queue/take_wait_s/age_bound"] == 0.0
+  else:
+    with pytest.raises(BufferTimeout, match="version_gap_policy 'wait'"):
+      buffer.get_groups(1, 2, 0.05)
+
+
+def test_a_group_id_that_is_not_an_int_is_refused():
+  buffer = make_buffer(group_size=2, groups_per_version=1)
+  with pytest.raises(ValueError, match="group_id='7' must be an int"):
+    buffer.acquire_group_slot(1.0, group_id="7")

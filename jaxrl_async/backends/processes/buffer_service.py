@@ -198,7 +198,7 @@ class BufferService:
       raise ValueError(f"acquire_group_slots: {len(starts)} starts for max_count={max_count}")
     if holding_version is not None and holding_version > max(client.held_version or 0, 0):
       self._rpc_publish_version(client, holding_version)  # the window follows the oldest held
-    count = self.local.acquire_group_slots(max_count, timeout)
+    count = self.local.acquire_group_slots(max_count, timeout, starts=starts)
     if starts:
       with client.cond:
         for entry in starts[:count]:
