@@ -32,6 +32,13 @@ also measures every role at once, none waiting, in three windows of S seconds
 gives each run's samples/s as a fraction of it (`fraction_of_together`): the share of the
 roles' side-by-side rate that the run's schedule turned into samples.
 
+`--async_run_on F` (default 1) lets every async run train F times `--total_samples`. A run r
+times as fast as sync has trained r / 2 times sync's samples at half sync's wall-clock; with
+F >= r / 2 its curve reaches that point, so whether it reaches sync's final accuracy within
+half sync's wall-clock can be read from it, past sync's sample count. Its accuracy
+and samples/s are still taken at `--total_samples` (from the curve's evaluation there), so the
+comparison with sync stays at equal samples; `final_accuracy_at_end` is where it ended.
+
 Compilation is kept out of the comparison: XLA's persistent compilation cache is on
 (`jaxrl_async.compilation_cache`), and every mode first runs `--warmup_samples` samples
 (discarded), so the measured runs load their executables instead of compiling them (each run
@@ -94,15 +101,35 @@ def run_mode(mode: str, bindings: list[str], run_dir: str, backend: str = "threa
   }
 
 
-def mode_rows(results: dict) -> dict:
-  """Each run's figures, and its ratios against the sync run of the same round."""
+def at_samples(curve, samples: int) -> tuple[float, float]:
+  """(wall-clock s, held-out accuracy) of the curve's evaluation after `samples` samples."""
+  for time_s, done, accuracy in curve:
+    if done == samples:
+      return time_s, accuracy
+  raise ValueError(f"no evaluation after exactly {samples} samples (evaluations at "
+                   f"{[done for _, done, _ in curve]}): make --total_samples a multiple of "
+                   "--eval_every_versions versions' samples")
+
+
+def mode_rows(results: dict, equal_samples: int | None = None) -> dict:
+  """Each run's figures, and its ratios against the sync run of the same round.
+
+  `equal_samples`: a run that trained past that many samples (--async_run_on) gives its
+  accuracy and samples/s at that point of its curve (`final_accuracy_at_end`: where it ended),
+  so both compare with sync at equal samples; its time to sync's final accuracy is read from
+  the whole curve."""
   base = results.get("sync")
   table = {}
   for mode, result in results.items():
     summary = result["summary"]
+    accuracy, samples_per_s = summary["eval/accuracy"], summary["system/samples_per_s"]
+    if equal_samples is not None and summary["consumed_samples"] > equal_samples:
+      time_s, accuracy = at_samples(result["curve"], equal_samples)
+      samples_per_s = equal_samples / time_s
     row = {
-        "final_accuracy": summary["eval/accuracy"],
-        "samples_per_s": summary["system/samples_per_s"],
+        "final_accuracy": accuracy,
+        "final_accuracy_at_end": summary["eval/accuracy"],
+        "samples_per_s": samples_per_s,
         "wall_s": summary["system/wall_s"],
         **{f"{role}_idle_ratio": summary[f"{role}/idle_ratio"]
            for role in ("rollout", "reward", "learner", "sync")},
@@ -214,11 +241,18 @@ def main(argv=None) -> int:
   parser.add_argument("--together_s", type=float, default=5.0,
                       help="with --task_file: also every role at once, in 3 windows of this "
                            "many seconds (benchmarks/workload_together.py; 0 skips it)")
+  parser.add_argument("--async_run_on", type=float, default=1.0,
+                      help="the async runs train this many times --total_samples (>= 1), so "
+                           "their time to sync's final accuracy can lie past sync's sample "
+                           "count; accuracy and samples/s are still compared at "
+                           "--total_samples, read from each run's curve")
   parser.add_argument("--out", default=os.path.join(
       "benchmarks", "results", f"modes-{time.strftime('%Y%m%d-%H%M%S')}"))
   args = parser.parse_args(argv)
   if args.repeats < 1:
     parser.error(f"--repeats must be >= 1, got {args.repeats}")
+  if not args.async_run_on >= 1.0:
+    parser.error(f"--async_run_on must be >= 1, got {args.async_run_on}")
   if args.ceiling_batches < 0:
     parser.error(f"--ceiling_batches must be >= 0, got {args.ceiling_batches}")
   if args.ceiling_data_batches < 1:
@@ -309,13 +343,15 @@ def measure(args, runs: dict, bindings: list[str]) -> int:
       for name, (mode, extra) in runs.items():
         suffix = f" (round {repeat + 1} of {args.repeats})" if args.repeats > 1 else ""
         print(f"running {name}{suffix} ...", file=sys.stderr, flush=True)
-        results[name] = run_mode(mode, [*bindings, *extra],
+        longer = ([] if mode == "sync" or args.async_run_on == 1.0 else [
+            f"RunConfig.total_samples = {round(args.total_samples * args.async_run_on)}"])
+        results[name] = run_mode(mode, [*bindings, *extra, *longer],
                                  os.path.join(root, f"{name}-{repeat}"), args.backend,
                                  args.task_file)
       rounds.append(results)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     draw({name: os.path.join(root, f"{name}-0") for name in rounds[0]}, args.out)
-  per_round = [mode_rows(results) for results in rounds]
+  per_round = [mode_rows(results, args.total_samples) for results in rounds]
   table = per_round[0] if args.repeats == 1 else {
       name: median_row([rows[name] for rows in per_round]) for name in per_round[0]}
   ceiling = None
@@ -327,7 +363,8 @@ def measure(args, runs: dict, bindings: list[str]) -> int:
     add_fractions(table, ceiling)
   line = {"benchmark": "modes", "backend": args.backend, "task_files": args.task_file,
           "load_average": {"start": load_start, "end": os.getloadavg()},
-          "total_samples": args.total_samples, "seed": args.seed,
+          "total_samples": args.total_samples, "async_run_on": args.async_run_on,
+          "seed": args.seed,
           "warmup_samples": args.warmup_samples, "repeats": args.repeats,
           "variants": {name: {"mode": mode, "bindings": extra}
                        for name, (mode, extra) in runs.items() if extra},

@@ -273,6 +273,34 @@ def test_modes_gives_each_run_as_fractions_of_the_bound_and_of_the_roles_togethe
   assert table["async_partial"]["fraction_of_ceiling"] == pytest.approx(0.8)
 
 
+def _result(curve, wall_s):
+  """run_mode's result for a run whose evaluations are `curve` ((s, samples, accuracy))."""
+  summary = {"eval/accuracy": curve[-1][2], "consumed_samples": curve[-1][1],
+             "system/samples_per_s": curve[-1][1] / wall_s, "system/wall_s": wall_s,
+             **{f"{role}/idle_ratio": 0.1 for role in ("rollout", "reward", "learner", "sync")}}
+  return {"summary": summary, "curve": curve, "version_gap_max": 0, "stale_ratio_mean": 0.0,
+          "partial_ratio_mean": 0.0, "max_partial_span": 0}
+
+
+def test_a_run_past_syncs_samples_compares_at_equal_samples_and_reaches_later():
+  sync = _result([(0.0, 0, 0.4), (5.0, 100, 0.6), (10.0, 200, 0.8)], 10.0)
+  # Twice as fast, trained on to 300 samples: 0.7 at sync's 200 samples, 0.82 at 300.
+  longer = _result([(0.0, 0, 0.4), (2.5, 100, 0.55), (4.0, 200, 0.7), (6.0, 300, 0.82)], 6.0)
+  rows = modes.mode_rows({"sync": sync, "rlvr_async": longer}, equal_samples=200)
+  row = rows["rlvr_async"]
+  assert row["final_accuracy"] == 0.7 and row["final_accuracy_at_end"] == 0.82
+  assert row["samples_per_s"] == pytest.approx(50.0)  # 200 samples in 4 s, not 300 in 6
+  assert row["samples_per_s_vs_sync"] == pytest.approx(2.5)
+  assert row["accuracy_minus_sync"] == pytest.approx(-0.1)
+  assert row["time_to_sync_final_accuracy_s"] == 6.0  # past sync's samples
+  assert row["time_to_sync_final_accuracy_vs_sync"] == pytest.approx(0.6)
+  assert rows["sync"]["final_accuracy"] == rows["sync"]["final_accuracy_at_end"] == 0.8
+  same = modes.mode_rows({"sync": sync, "rlvr_async": longer})  # without: where it ended
+  assert same["rlvr_async"]["final_accuracy"] == 0.82
+  with pytest.raises(ValueError, match="no evaluation after exactly 250 samples"):
+    modes.mode_rows({"sync": sync, "rlvr_async": longer}, equal_samples=250)
+
+
 def test_the_cores_bound_is_the_roles_work_over_the_cores():
   alone = {"rollout": 0.3, "reward": 0.25, "learner": 0.33}
   # 0.3 + 0.05 + 0.6 = 0.95 core-s a sample over 2 cores: 0.475 s, above the slowest role's 0.33.
@@ -303,6 +331,8 @@ def test_modes_refuses_a_missing_task_file_and_an_unknown_bound_run(tmp_path, mo
     modes.main(["--variant", "x=recipes/no_such_recipe:RunConfig.seed = 1", "--modes", "sync"])
   with pytest.raises(SystemExit):
     modes.main(["--task_file", "gin/tasks/rlvr.gin", "--modes", "sync", "--together_s", "-1"])
+  with pytest.raises(SystemExit):
+    modes.main(["--modes", "sync", "--async_run_on", "0.5"])
   runs = {"sync": ("sync", []), "verl_fully_async": ("recipes/verl_fully_async", [])}
   assert modes.bound_run(runs, None) == "verl_fully_async"  # the first async run
   assert modes.bound_run({"sync": ("sync", [])}, None) == "sync"
