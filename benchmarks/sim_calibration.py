@@ -119,7 +119,8 @@ def main(argv=None) -> int:
                       help="rounds of every mode, interleaved (mode by mode in each round); "
                            "each measured figure is the median over the rounds and the profile "
                            "is fitted on the sync round of median samples/s")
-  parser.add_argument("--work_dir", default=os.path.join("runs", "sim_calibration"))
+  parser.add_argument("--work_dir", default=os.path.join("runs", "sim_calibration"),
+                      help="where the runs go: absent or empty, unless --reuse reads them")
   parser.add_argument("--reuse", action="store_true", help="use the run directories there")
   parser.add_argument("--contention", type=float, default=None,
                       help="one contention for both roles instead of the measured layout")
@@ -175,6 +176,9 @@ def main(argv=None) -> int:
   bindings = [f"RunConfig.total_samples = {args.total_samples}", f"RunConfig.seed = {args.seed}",
               "RunConfig.eval_every_versions = 25",
               "RunConfig.checkpoint_every_versions = 1000000", *args.gin_bindings]
+  if not args.reuse and os.path.isdir(args.work_dir) and os.listdir(args.work_dir):
+    parser.error(f"--work_dir {args.work_dir} holds an earlier calibration's runs: --reuse "
+                 "predicts from them; to measure again, remove it or name another --work_dir")
   load_path = os.path.join(args.work_dir, "load_average.json")
   measured = {}
   if args.reuse and args.ceiling_only:
