@@ -99,7 +99,8 @@ def test_sim_calibration_takes_the_median_of_its_rounds(tmp_path, capsys):
   assert abs(line["modes"]["sync"]["error"]) < 0.05  # fitted on the median round itself
   with pytest.raises(SystemExit):
     sim_calibration.main(["--reuse", "--work_dir", str(tmp_path), "--repeats", "0"])
-  (tmp_path / "sync").mkdir(exist_ok=True)  # an earlier calibration's runs: measuring again would mix them
+  # An earlier calibration's runs there: measuring again would mix them with the new ones.
+  (tmp_path / "sync").mkdir(exist_ok=True)
   with pytest.raises(SystemExit):
     sim_calibration.main(["--work_dir", str(tmp_path), "--modes", "sync", "--recipes", ""])
 
