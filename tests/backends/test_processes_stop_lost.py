@@ -49,3 +49,20 @@ def test_servers_lost_at_the_stop_leave_a_clean_audit(tmp_path, action, servers)
           summary["ledger/unknown"]) == (0, 0, 0), summary
   assert summary["ledger/produced"] == summary["ledger/consumed"] + sum(
       value for key, value in summary.items() if key.startswith("ledger/dropped/"))
+
+
+@pytest.mark.slow
+def test_a_clean_stop_accounts_for_no_server_as_lost(tmp_path):
+  """The run stops its servers, then the backend's own exit stops the fleet again: that second
+  stop does nothing (before, it found every server gone and accounted it as lost)."""
+  run_dir = tmp_path / "run"
+  bindings = run_lives.TINY_BINDINGS + ("RunConfig.backend = 'processes'",
+                                        "RunConfig.total_samples = 64")
+  process = run_lives.start(run_dir, "gin/modes/async_partial.gin", bindings)
+  code, out, err, _ = run_lives.finish(process, 600)
+  assert code == 0, f"{out[-2000:]}\n{err[-4000:]}"
+  assert "gone at the stop" not in out + err, (out + err)[-4000:]
+  assert LOST_REASON not in out + err, (out + err)[-4000:]
+  summary = json.loads((run_dir / "summary.json").read_text())
+  assert summary["ledger/consumed"] == 64
+  assert summary.get(f"ledger/dropped/{LOST_REASON}", 0) == 0, summary

@@ -75,6 +75,7 @@ class ProcessFleet(Elastic, Fleet):
     # Children die with the thread that spawned them (child.py): one thread spawns them all and
     # lives until `stop`, whichever thread asks for a replacement.
     self._spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fleet-spawner")
+    self._stopped = False  # `stop` ran: a second call (the backend's own, on leaving) does nothing
 
   @property
   def restarts(self) -> int:
@@ -233,8 +234,11 @@ class ProcessFleet(Elastic, Fleet):
   def stop(self, timeout: float = 60.0) -> None:
     """Stops every server (each counts what it aborts as 'shutdown') and reaps them all. A
     server that gives no last answer (it died after its last heartbeat, or its stop failed) is
-    accounted from the buffer's record of it (`lost_answer`)."""
+    accounted from the buffer's record of it (`lost_answer`). A second call does nothing."""
     with self._lock:
+      if self._stopped:
+        return
+      self._stopped = True
       for index, server in enumerate(self.servers):
         if server is None:
           continue
