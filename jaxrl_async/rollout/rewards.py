@@ -4,10 +4,12 @@ The outcome is written on the sample (`reward`, `reward_status`, `retries`, the 
 timestamp); nothing is dropped here. A failed or timed-out sample keeps reward NaN and its status
 says why, so the buffer counts it under `reward_failed` / `reward_timeout`.
 
-Samples are scored in batches (`submit_many`, `score_all`): a driver thread hands a batch to one
-call thread, which runs the reward function on each sample in turn, while the driver waits for
-each result with the timeout. Two thread hand-offs per batch rather than per sample keep the
-pool cheap when rewards are fast. A timed-out call cannot be killed (it is a Python thread): it
+Samples are scored in batches (`submit_many`, `submit_spread`, `score_all`): a driver thread
+hands a batch to one call thread, which runs the reward function on each sample in turn, while
+the driver waits for each result with the timeout. Two thread hand-offs per batch rather than per
+sample keep the pool cheap when rewards are fast. A batch is one worker's: many samples finished
+at once (one decode step's) are cut into at most `num_workers` batches (`spread`), or a slow
+verifier would score them one after another while the other workers sit idle. A timed-out call cannot be killed (it is a Python thread): it
 is abandoned with its call thread until it returns, and the rest of the batch continues on
 another call thread, so the call pool is larger than the driver pool. `close()` returns without
 waiting for abandoned calls. A reward function that enforces its own limit and raises
@@ -127,10 +129,16 @@ class RewardPool:
     """Score a batch in the pool; the future resolves to the same list, scored."""
     return self._drivers.submit(self.score_many, list(samples))
 
+  def submit_spread(self, samples: list[Sample]) -> list[tuple[cf.Future, list[Sample]]]:
+    """Score samples in at most `num_workers` batches at once (`spread`): each batch with the
+    future that resolves to it, scored."""
+    return [(self.submit_many(batch), batch) for batch in spread(samples, self.num_workers)]
+
   def score_all(self, samples: list[Sample]) -> list[Sample]:
     """Score samples in `num_workers` batches at once; returns them in order."""
-    chunk = max(1, math.ceil(len(samples) / self.num_workers))
-    futures = [self.submit_many(samples[i:i + chunk]) for i in range(0, len(samples), chunk)]
+    batches = self.submit_spread(samples)
+    chunk = max((len(batch) for _, batch in batches), default=1)
+    futures = [future for future, _ in batches]
     deadline = time.monotonic() + chunk * (self.max_retries + 1) * self.timeout_s + 5.0
     return [s for f in futures for s in f.result(timeout=max(deadline - time.monotonic(), 0.1))]
 
@@ -170,6 +178,22 @@ class _CallThreads:
 
   def shutdown(self) -> None:
     self._closed.set()
+
+
+def spread(items: list, parts: int) -> list[list]:
+  """`items` cut in order into min(parts, len(items)) runs whose lengths differ by at most
+  one (no empty run)."""
+  if parts < 1:
+    raise ValueError(f"parts must be >= 1, got {parts}")
+  items = list(items)
+  count = min(parts, len(items))
+  size, extra = divmod(len(items), count) if count else (0, 0)
+  runs, start = [], 0
+  for k in range(count):
+    end = start + size + (1 if k < extra else 0)
+    runs.append(items[start:end])
+    start = end
+  return runs
 
 
 def _finite_float(value) -> float | None:

@@ -220,12 +220,13 @@ class Rollouter(RoleThread):
 
   # ---- reward and hand-off -------------------------------------------------------------------
   def _to_reward(self, samples) -> None:
-    """The samples finished by one step, scored as one batch, then put into the buffer."""
+    """The samples finished by one step, scored in batches spread over the reward workers;
+    each batch is put into the buffer as soon as it is scored."""
     samples = list(samples)
     with self._lock:
       self._rewarding += len(samples)
-    self.rewards.submit_many(samples).add_done_callback(
-        lambda future: self._on_rewarded(future, samples))
+    for future, batch in self.rewards.submit_spread(samples):
+      future.add_done_callback(lambda done, batch=batch: self._on_rewarded(done, batch))
 
   def _on_rewarded(self, future, samples) -> None:
     try:

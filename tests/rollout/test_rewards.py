@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxrl_async.rollout.rewards import RewardPool
+from jaxrl_async.rollout.rewards import RewardPool, spread
 from jaxrl_async.types import Sample
 
 TIMEOUT_S = 0.2
@@ -122,6 +122,43 @@ def test_a_hung_call_in_a_batch_does_not_hold_the_rest(verifier):
   assert verifier.calls == {"ok": 3, "sleep": 1, "raise": 1, "text": 1}  # nothing run twice
   assert elapsed < 3 * TIMEOUT_S  # one timeout, then the rest on another call thread
   assert pool.counts == {"ok": 3, "failed": 2, "timeout": 1, "retries": 0}
+
+
+@pytest.mark.parametrize("items, parts, lengths", [
+    (list(range(10)), 4, [3, 3, 2, 2]),
+    (list(range(3)), 8, [1, 1, 1]),
+    (list(range(8)), 1, [8]),
+    ([], 3, []),
+])
+def test_spread_cuts_in_order_into_near_equal_runs(items, parts, lengths):
+  runs = spread(items, parts)
+  assert [len(run) for run in runs] == lengths
+  assert [x for run in runs for x in run] == items
+
+
+def test_spread_refuses_no_parts():
+  with pytest.raises(ValueError, match="parts must be >= 1, got 0"):
+    spread([1], 0)
+
+
+def test_one_steps_samples_are_scored_by_every_worker_at_once():
+  """A batch spread over 4 workers: each call waits for 4 calls to be in flight together, which
+  a batch scored by one worker, one call after another, never reaches (the calls time out)."""
+  barrier = threading.Barrier(4, timeout=2.0)
+
+  def verifier(prompt_tokens, response_tokens, meta):
+    barrier.wait()
+    return 1.0
+
+  pool = RewardPool(verifier, num_workers=4, timeout_s=5.0, max_retries=0)
+  try:
+    batches = pool.submit_spread(_samples(["ok"] * 8))
+    done = [s for future, _ in batches for s in future.result(timeout=10)]
+  finally:
+    pool.close()
+  assert [len(batch) for _, batch in batches] == [2, 2, 2, 2]
+  assert [s.reward_status for s in done] == ["ok"] * 8
+  assert pool.counts["ok"] == 8
 
 
 @pytest.mark.parametrize("kwargs, match", [
