@@ -149,3 +149,36 @@ def test_a_connection_made_with_a_short_timeout_serves_slow_calls():
     conn.close()
   finally:
     server.stop(timeout=5.0)
+
+
+def test_many_clients_connecting_at_once_are_all_served():
+  """The accept thread makes each connection in turn (the handshake, then the handler's
+  opening, here 0.2 s as a client's hello may take); the others wait in the listen backlog.
+  With a backlog of one, the kernel dropped those past it, and their clients waited for a
+  handshake that never came (a rollout server's reward callbacks, connecting at once)."""
+  def open_handler(conn):
+    time.sleep(0.2)
+    return lambda method, args, kwargs: method
+
+  server = wire.Server(open_handler, b"key", name="busy-accept")
+  server.start()
+  answers, errors = [], []
+
+  def client():
+    try:
+      conn = wire.connect(server.address, b"key", 8.0)
+      answers.append(wire.call(conn, "ping", (), {}, 8.0))
+      conn.close()
+    except Exception as error:  # reported below
+      errors.append(error)
+
+  threads = [threading.Thread(target=client, daemon=True) for _ in range(12)]
+  try:
+    for thread in threads:
+      thread.start()
+    for thread in threads:
+      thread.join(30.0)
+  finally:
+    server.stop(timeout=5.0)
+  assert not errors, errors
+  assert answers == ["ping"] * 12

@@ -35,6 +35,9 @@ from jaxrl_async.types import Sample
 HOST = "127.0.0.1"
 # How often a serving thread looks at its stop flag while its connection is quiet.
 SERVE_POLL_S = 0.2
+# Connections a Server's listener holds while its accept thread makes another (socket.listen's
+# backlog; the kernel caps it at net.core.somaxconn).
+LISTEN_BACKLOG = 128
 
 
 # A sample batch: MAGIC, the header's length (u32), the pickled header, then the int32 block
@@ -222,7 +225,11 @@ class Server:
     self.name = name
     self.authkey = authkey
     self._open_handler = open_handler
-    self._listener = mp_connection.Listener((host, 0), authkey=authkey)
+    # The accept thread makes one connection at a time (handshake, then the handler's
+    # opening); the ones behind it wait in the kernel's backlog. Listener's default backlog of
+    # 1 drops those past it while the client believes it connected, and its connect then
+    # waits for a handshake that never comes.
+    self._listener = mp_connection.Listener((host, 0), authkey=authkey, backlog=LISTEN_BACKLOG)
     self.address = self._listener.address
     self._stop = threading.Event()
     self._threads: list[threading.Thread] = []
