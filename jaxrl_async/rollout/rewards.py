@@ -9,7 +9,8 @@ hands a batch to one call thread, which runs the reward function on each sample 
 the driver waits for each result with the timeout. Two thread hand-offs per batch rather than per
 sample keep the pool cheap when rewards are fast. A batch is one worker's: many samples finished
 at once (one decode step's) are cut into at most `num_workers` batches (`spread`), or a slow
-verifier would score them one after another while the other workers sit idle. A timed-out call cannot be killed (it is a Python thread): it
+verifier would score them one after another while the other workers sit idle; they come back
+together (`submit_spread`), so the caller still hands them on in one piece. A timed-out call cannot be killed (it is a Python thread): it
 is abandoned with its call thread until it returns, and the rest of the batch continues on
 another call thread, so the call pool is larger than the driver pool. `close()` returns without
 waiting for abandoned calls. A reward function that enforces its own limit and raises
@@ -129,18 +130,39 @@ class RewardPool:
     """Score a batch in the pool; the future resolves to the same list, scored."""
     return self._drivers.submit(self.score_many, list(samples))
 
-  def submit_spread(self, samples: list[Sample]) -> list[tuple[cf.Future, list[Sample]]]:
-    """Score samples in at most `num_workers` batches at once (`spread`): each batch with the
-    future that resolves to it, scored."""
-    return [(self.submit_many(batch), batch) for batch in spread(samples, self.num_workers)]
+  def submit_spread(self, samples: list[Sample]) -> cf.Future:
+    """Score samples in at most `num_workers` batches at once (`spread`); the future resolves
+    to the same list, scored, when every batch is (one hand-off downstream per call, as
+    `submit_many`'s), or to the first batch's error."""
+    samples = list(samples)
+    whole: cf.Future = cf.Future()
+    batches = [self.submit_many(batch) for batch in spread(samples, self.num_workers)]
+    if not batches:
+      whole.set_result(samples)
+      return whole
+    remaining = [len(batches)]
+    lock = threading.Lock()
+
+    def one_done(_) -> None:
+      with lock:
+        remaining[0] -= 1
+        if remaining[0]:
+          return
+      errors = [future.exception() for future in batches if future.exception() is not None]
+      if errors:
+        whole.set_exception(errors[0])
+      else:
+        whole.set_result(samples)
+
+    for future in batches:
+      future.add_done_callback(one_done)
+    return whole
 
   def score_all(self, samples: list[Sample]) -> list[Sample]:
     """Score samples in `num_workers` batches at once; returns them in order."""
-    batches = self.submit_spread(samples)
-    chunk = max((len(batch) for _, batch in batches), default=1)
-    futures = [future for future, _ in batches]
-    deadline = time.monotonic() + chunk * (self.max_retries + 1) * self.timeout_s + 5.0
-    return [s for f in futures for s in f.result(timeout=max(deadline - time.monotonic(), 0.1))]
+    chunk = max(1, math.ceil(len(samples) / self.num_workers))
+    deadline = chunk * (self.max_retries + 1) * self.timeout_s + 5.0
+    return self.submit_spread(samples).result(timeout=deadline)
 
   def close(self) -> None:
     self._drivers.shutdown(wait=False, cancel_futures=True)

@@ -220,13 +220,13 @@ class Rollouter(RoleThread):
 
   # ---- reward and hand-off -------------------------------------------------------------------
   def _to_reward(self, samples) -> None:
-    """The samples finished by one step, scored in batches spread over the reward workers;
-    each batch is put into the buffer as soon as it is scored."""
+    """The samples finished by one step, scored in batches spread over the reward workers,
+    then put into the buffer together (one put per step)."""
     samples = list(samples)
     with self._lock:
       self._rewarding += len(samples)
-    for future, batch in self.rewards.submit_spread(samples):
-      future.add_done_callback(lambda done, batch=batch: self._on_rewarded(done, batch))
+    self.rewards.submit_spread(samples).add_done_callback(
+        lambda future: self._on_rewarded(future, samples))
 
   def _on_rewarded(self, future, samples) -> None:
     try:

@@ -152,13 +152,32 @@ def test_one_steps_samples_are_scored_by_every_worker_at_once():
 
   pool = RewardPool(verifier, num_workers=4, timeout_s=5.0, max_retries=0)
   try:
-    batches = pool.submit_spread(_samples(["ok"] * 8))
-    done = [s for future, _ in batches for s in future.result(timeout=10)]
+    samples = _samples(["ok"] * 8)
+    done = pool.submit_spread(samples).result(timeout=10)
   finally:
     pool.close()
-  assert [len(batch) for _, batch in batches] == [2, 2, 2, 2]
+  assert done == samples  # the same list, in order, scored
   assert [s.reward_status for s in done] == ["ok"] * 8
   assert pool.counts["ok"] == 8
+
+
+def test_a_spread_batch_that_fails_fails_the_whole():
+  """A reward function's SystemExit is the caller's to raise (not a reward failure): the batch
+  that met it fails, and with it the whole call, after the other batch is scored."""
+  def verifier(prompt_tokens, response_tokens, meta):
+    if meta["kind"] == "exit":
+      raise SystemExit("verifier asked to exit")
+    return 1.0
+
+  pool = RewardPool(verifier, num_workers=2, timeout_s=5.0, max_retries=0)
+  try:
+    samples = _samples(["ok", "ok", "exit", "ok"])
+    with pytest.raises(SystemExit, match="verifier asked to exit"):
+      pool.submit_spread(samples).result(timeout=10)
+    assert [s.reward_status for s in samples[:2]] == ["ok", "ok"]  # the other batch
+    assert pool.submit_spread([]).result(timeout=1) == []
+  finally:
+    pool.close()
 
 
 @pytest.mark.parametrize("kwargs, match", [
