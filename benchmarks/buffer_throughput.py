@@ -7,7 +7,9 @@ Producers acquire a slot per group and put its samples one by one; one consumer 
 `groups_per_version` groups (an instant weight sync), so the consumer keeps up and admission is
 exercised. Samples are built before the timed region. Reported: samples/s through put + get
 with 1 and with 4 producer threads, and p50 / p99 enqueue -> consume latency in ms over every
-sample of the 4-producer run (1-producer figures are reported too).
+sample of the 4-producer run (1-producer figures are reported too), beside the same 4 producer
+threads through a plain `queue.Queue` (`bare_queue_*`: the floor Python threads put under any
+in-process queue on this machine).
 
 `--cross_process`: the buffer is served by `runtime.buffer_service` (the learner's side) and
 `--producer_processes` spawned processes (default 2) admit up to K groups per
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import threading
 import time
 
@@ -102,6 +105,48 @@ def run(num_producers: int, num_samples: int, group_size: int, groups_per_versio
           "latency_ms_p50": float(np.percentile(latency_ms, 50)),
           "latency_ms_p99": float(np.percentile(latency_ms, 99)),
           "admission_wait_s": buffer.metrics()["queue/admission_wait_s"]}
+
+
+def run_bare_queue(num_producers: int, num_samples: int, group_size: int,
+                   groups_per_batch: int, **_) -> dict[str, float]:
+  """The same threads and samples through a plain `queue.Queue` instead of the buffer: each
+  producer puts its samples one by one, the consumer takes `groups_per_batch` groups' worth at
+  a time. No admission, no group assembly, no versions: the floor that Python threads on this
+  machine put under any in-process queue's enqueue -> consume latency."""
+  num_groups = num_samples // group_size
+  per_producer = num_groups // num_producers
+  work = [make_samples(per_producer, group_size, p * per_producer) for p in range(num_producers)]
+  total = per_producer * num_producers * group_size
+  channel: queue.Queue = queue.Queue()
+  latency_s: list[float] = []
+
+  def produce(groups: list[list[Sample]]) -> None:
+    for group in groups:
+      for sample in group:
+        sample.timestamps["enqueued"] = time.perf_counter()
+        channel.put(sample)
+
+  def consume() -> None:
+    remaining, batch = total, groups_per_batch * group_size
+    while remaining:
+      taken = [channel.get(timeout=TIMEOUT_S) for _ in range(min(batch, remaining))]
+      now = time.perf_counter()
+      latency_s.extend(now - s.timestamps["enqueued"] for s in taken)
+      remaining -= len(taken)
+
+  threads = [threading.Thread(target=produce, args=(groups,)) for groups in work]
+  threads.append(threading.Thread(target=consume))
+  start = time.perf_counter()
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join(TIMEOUT_S * 4)
+  elapsed = time.perf_counter() - start
+  latency_ms = 1e3 * np.asarray(latency_s)
+  assert latency_ms.size == total, "samples lost"
+  return {"samples_per_s": latency_ms.size / elapsed,
+          "latency_ms_p50": float(np.percentile(latency_ms, 50)),
+          "latency_ms_p99": float(np.percentile(latency_ms, 99))}
 
 
 def produce_remote(address, authkey, producer: int, num_groups: int, group_size: int,
@@ -254,7 +299,8 @@ def main() -> None:
     return
   one = run(num_producers=1, **kwargs)
   four = run(num_producers=4, **kwargs)
-  print(json.dumps({
+  bare = run_bare_queue(num_producers=4, **kwargs)
+  line = json.dumps({
       "benchmark": "buffer_throughput",
       "samples": args.samples, "group_size": args.group_size,
       "groups_per_version": args.groups_per_version,
@@ -267,7 +313,16 @@ def main() -> None:
       "latency_ms_p50_1_producer": round(one["latency_ms_p50"], 4),
       "latency_ms_p99_1_producer": round(one["latency_ms_p99"], 4),
       "admission_wait_s_4_producers": round(four["admission_wait_s"], 3),
-  }))
+      # The floor: the same 4 producer threads through a plain queue.Queue.
+      "bare_queue_samples_per_s_4_producers": round(bare["samples_per_s"]),
+      "bare_queue_latency_ms_p50": round(bare["latency_ms_p50"], 4),
+      "bare_queue_latency_ms_p99": round(bare["latency_ms_p99"], 4),
+      "latency_p99_over_bare_queue": round(four["latency_ms_p99"] / bare["latency_ms_p99"], 3),
+  })
+  print(line)
+  if args.out:
+    with open(args.out, "w", encoding="utf-8") as f:
+      f.write(line + "\n")
 
 
 if __name__ == "__main__":

@@ -337,3 +337,18 @@ def test_modes_refuses_a_missing_task_file_and_an_unknown_bound_run(tmp_path, mo
   assert modes.bound_run(runs, None) == "verl_fully_async"  # the first async run
   assert modes.bound_run({"sync": ("sync", [])}, None) == "sync"
   assert modes.bound_run(runs, "sync") == "sync"
+
+
+def test_buffer_throughput_reports_the_buffer_beside_a_bare_queue(tmp_path, monkeypatch):
+  from benchmarks import buffer_throughput
+  out = tmp_path / "buffer.json"
+  monkeypatch.setattr("sys.argv", ["buffer_throughput.py", "--samples", "2048",
+                                   "--out", str(out)])
+  buffer_throughput.main()
+  line = json.loads(out.read_text())
+  for prefix in ("", "bare_queue_"):
+    p50, p99 = line[f"{prefix}latency_ms_p50"], line[f"{prefix}latency_ms_p99"]
+    assert 0 < p50 <= p99, line
+  assert line["bare_queue_samples_per_s_4_producers"] > 0
+  assert line["latency_p99_over_bare_queue"] == pytest.approx(
+      line["latency_ms_p99"] / line["bare_queue_latency_ms_p99"], rel=0.05)
