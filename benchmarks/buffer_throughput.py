@@ -8,8 +8,8 @@ Producers acquire a slot per group and put its samples one by one; one consumer 
 exercised. Samples are built before the timed region. Reported: samples/s through put + get
 with 1 and with 4 producer threads, and p50 / p99 enqueue -> consume latency in ms over every
 sample of the 4-producer run (1-producer figures are reported too), beside the same 4 producer
-threads through a plain `queue.Queue` (`bare_queue_*`: the floor Python threads put under any
-in-process queue on this machine).
+threads through a plain `queue.Queue` bounded at the buffer's capacity (`bare_queue_*`: the
+floor Python threads put under an in-process queue on this machine).
 
 `--cross_process`: the buffer is served by `runtime.buffer_service` (the learner's side) and
 `--producer_processes` spawned processes (default 2) admit up to K groups per
@@ -108,21 +108,27 @@ def run(num_producers: int, num_samples: int, group_size: int, groups_per_versio
 
 
 def run_bare_queue(num_producers: int, num_samples: int, group_size: int,
-                   groups_per_batch: int, **_) -> dict[str, float]:
-  """The same threads and samples through a plain `queue.Queue` instead of the buffer: each
-  producer puts its samples one by one, the consumer takes `groups_per_batch` groups' worth at
-  a time. No admission, no group assembly, no versions: the floor that Python threads on this
-  machine put under any in-process queue's enqueue -> consume latency."""
+                   groups_per_version: int, staleness_threshold: float,
+                   groups_per_batch: int) -> dict[str, float]:
+  """The same threads and samples through a plain `queue.Queue` bounded at the buffer's
+  capacity instead of the buffer: each producer puts its samples one by one, the consumer takes
+  `groups_per_batch` groups' worth at a time. No admission, no group assembly, no versions: the
+  floor that Python threads on this machine put under an in-process queue's enqueue -> consume
+  latency at that bound (a queue that runs full holds each sample for capacity / throughput)."""
   num_groups = num_samples // group_size
   per_producer = num_groups // num_producers
   work = [make_samples(per_producer, group_size, p * per_producer) for p in range(num_producers)]
   total = per_producer * num_producers * group_size
+  budget = int(np.floor((1 + staleness_threshold) * groups_per_version))
+  room = threading.BoundedSemaphore(group_size * budget)  # as admission: the wait is not queued
   channel: queue.Queue = queue.Queue()
   latency_s: list[float] = []
 
   def produce(groups: list[list[Sample]]) -> None:
     for group in groups:
       for sample in group:
+        if not room.acquire(timeout=TIMEOUT_S):
+          raise TimeoutError("the bare queue's consumer stopped taking samples")
         sample.timestamps["enqueued"] = time.perf_counter()
         channel.put(sample)
 
@@ -131,6 +137,8 @@ def run_bare_queue(num_producers: int, num_samples: int, group_size: int,
     while remaining:
       taken = [channel.get(timeout=TIMEOUT_S) for _ in range(min(batch, remaining))]
       now = time.perf_counter()
+      for _ in taken:
+        room.release()
       latency_s.extend(now - s.timestamps["enqueued"] for s in taken)
       remaining -= len(taken)
 
