@@ -57,6 +57,20 @@ def make_samples(num_groups: int, group_size: int, first_group_id: int) -> list[
   return groups
 
 
+def run_threads(produce, consume, work: list) -> float:
+  """One producer thread per entry of `work` and one consumer thread; the seconds until all
+  have finished."""
+  threads = [threading.Thread(target=produce, args=(groups,), name=f"producer-{p}")
+             for p, groups in enumerate(work)]
+  threads.append(threading.Thread(target=consume, name="consumer"))
+  start = time.perf_counter()
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join(TIMEOUT_S * 4)
+  return time.perf_counter() - start
+
+
 def run(num_producers: int, num_samples: int, group_size: int, groups_per_version: int,
         staleness_threshold: float, groups_per_batch: int) -> dict[str, float]:
   num_groups = num_samples // group_size
@@ -88,15 +102,7 @@ def run(num_producers: int, num_samples: int, group_size: int, groups_per_versio
         learner_version, in_version = learner_version + 1, in_version - groups_per_version
         buffer.publish_version(learner_version)
 
-  threads = [threading.Thread(target=produce, args=(groups,), name=f"producer-{p}")
-             for p, groups in enumerate(work)]
-  threads.append(threading.Thread(target=consume, name="consumer"))
-  start = time.perf_counter()
-  for thread in threads:
-    thread.start()
-  for thread in threads:
-    thread.join(TIMEOUT_S * 4)
-  elapsed = time.perf_counter() - start
+  elapsed = run_threads(produce, consume, work)
   buffer.check_invariants()
   latency_ms = 1e3 * np.array([s.timestamps["consumed"] - s.timestamps["enqueued"]
                                for group in consumed for s in group])
@@ -142,14 +148,7 @@ def run_bare_queue(num_producers: int, num_samples: int, group_size: int,
       latency_s.extend(now - s.timestamps["enqueued"] for s in taken)
       remaining -= len(taken)
 
-  threads = [threading.Thread(target=produce, args=(groups,)) for groups in work]
-  threads.append(threading.Thread(target=consume))
-  start = time.perf_counter()
-  for thread in threads:
-    thread.start()
-  for thread in threads:
-    thread.join(TIMEOUT_S * 4)
-  elapsed = time.perf_counter() - start
+  elapsed = run_threads(produce, consume, work)
   latency_ms = 1e3 * np.asarray(latency_s)
   assert latency_ms.size == total, "samples lost"
   return {"samples_per_s": latency_ms.size / elapsed,
