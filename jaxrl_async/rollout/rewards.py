@@ -4,17 +4,17 @@ The outcome is written on the sample (`reward`, `reward_status`, `retries`, the 
 timestamp); nothing is dropped here. A failed or timed-out sample keeps reward NaN and its status
 says why, so the buffer counts it under `reward_failed` / `reward_timeout`.
 
-Samples are scored in batches (`submit_many`, `submit_spread`, `score_all`): a driver thread
-hands a batch to one call thread, which runs the reward function on each sample in turn, while
-the driver waits for each result with the timeout. Two thread hand-offs per batch rather than per
-sample keep the pool cheap when rewards are fast. A batch is one worker's: many samples finished
-at once (one decode step's) are cut into at most `num_workers` batches (`spread`), or a slow
-verifier would score them one after another while the other workers sit idle; they come back
-together (`submit_spread`), so the caller still hands them on in one piece. A timed-out call cannot be killed (it is a Python thread): it
-is abandoned with its call thread until it returns, and the rest of the batch continues on
-another call thread, so the call pool is larger than the driver pool. `close()` returns without
-waiting for abandoned calls. A reward function that enforces its own limit and raises
-TimeoutError (tasks/subprocess_reward.py kills its verifier's process) counts as a timeout.
+Samples are scored in batches (`submit_many`, `submit_spread`, `score_all`): a driver thread hands a
+batch to one call thread, which runs the reward function on each sample in turn, while the driver
+waits for each result with the timeout. Two thread hand-offs per batch rather than per sample keep
+the pool cheap when rewards are fast. A batch is one worker's: many samples finished at once (one
+decode step's) are cut into at most `num_workers` batches (`spread`), or a slow verifier would score
+them one after another while the other workers sit idle; they come back together (`submit_spread`),
+so the caller still hands them on in one piece. A timed-out call cannot be killed (it is a Python
+thread): it is abandoned with its call thread until it returns, and the rest of the batch continues
+on another call thread, so the call pool is larger than the driver pool. `close()` returns without
+waiting for abandoned calls. A reward function that enforces its own limit and raises TimeoutError
+(tasks/subprocess_reward.py kills its verifier's process) counts as a timeout.
 """
 
 from __future__ import annotations
@@ -148,9 +148,9 @@ class RewardPool:
         remaining[0] -= 1
         if remaining[0]:
           return
-      errors = [future.exception() for future in batches if future.exception() is not None]
-      if errors:
-        whole.set_exception(errors[0])
+      error = next((e for e in (f.exception() for f in batches) if e is not None), None)
+      if error is not None:
+        whole.set_exception(error)
       else:
         whole.set_result(samples)
 
